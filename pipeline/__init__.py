@@ -1,0 +1,1 @@
+"""zerosnake: raw text to a trained, consolidated and evaluated LM as a Snakemake DAG."""
