@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install what the test Slurm cluster needs: Debian's slurm-wlm + munge, and iproute2/util-linux
+# for the bridge and per-node network namespaces. Idempotent and fast when already installed:
+# apt is only touched when a binary is missing. Non-interactive (no debconf prompts).
+set -euo pipefail
+
+need=()
+command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm)
+command -v slurmd >/dev/null 2>&1 || need+=(slurm-wlm)
+command -v munged >/dev/null 2>&1 || need+=(munge)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# nsenter and unshare start each slurmd inside its node's namespaces.
+{ command -v nsenter && command -v unshare; } >/dev/null 2>&1 || need+=(util-linux)
+# hostname sets each node's own UTS name.
+command -v hostname >/dev/null 2>&1 || need+=(hostname)
+
+if [ "${#need[@]}" -eq 0 ]; then
+    echo "tests/cluster/install.sh: slurm-wlm, munge, iproute2 already installed"
+    exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "tests/cluster/install.sh: need root to install: ${need[*]}" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+# Deduplicate (slurm-wlm can be listed twice).
+mapfile -t pkgs < <(printf '%s\n' "${need[@]}" | sort -u)
+# apt-get update only when the package lists are missing or the install fails for want of them.
+if ! apt-get install -y --no-install-recommends "${pkgs[@]}"; then
+    apt-get update
+    apt-get install -y --no-install-recommends "${pkgs[@]}"
+fi
+# Debian's munge postinst creates /etc/munge/munge.key; make one if it did not (no systemd here).
+if [ ! -s /etc/munge/munge.key ]; then
+    if command -v mungekey >/dev/null 2>&1; then
+        mungekey --create --keyfile=/etc/munge/munge.key
+    else
+        dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
+    fi
+    chown munge:munge /etc/munge/munge.key
+    chmod 400 /etc/munge/munge.key
+fi
+echo "tests/cluster/install.sh: installed ${pkgs[*]}"
