@@ -74,14 +74,16 @@ class ClusterInfo:
     mem_mb: int | None = None
     start_seconds: float | None = None  # wall time of start(), until every node was idle
 
-    def env(self) -> dict[str, str]:
-        """Environment additions for Slurm clients and jobs (merge into os.environ)."""
-        out: dict[str, str] = {}
-        if self.slurm_conf:
-            out["SLURM_CONF"] = self.slurm_conf
-        if self.socket_ifname:
-            out["GLOO_SOCKET_IFNAME"] = self.socket_ifname
-        return out
+    def client_env(self) -> dict[str, str]:
+        """Environment additions for Slurm clients (sbatch, srun, squeue, submitit)."""
+        return {"SLURM_CONF": self.slurm_conf} if self.slurm_conf else {}
+
+    def job_env(self) -> dict[str, str]:
+        """Environment additions for distributed jobs: which interface Gloo/NCCL should use.
+        Pass to the job only (srun/sbatch env), not to the host's own processes."""
+        if not self.socket_ifname:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": self.socket_ifname, "NCCL_SOCKET_IFNAME": self.socket_ifname}
 
     def sbatch_args(self) -> list[str]:
         """Partition/account options for sbatch, srun and salloc."""
@@ -490,10 +492,10 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def status(self) -> str:
         lines = [f"workdir: {self.workdir}", f"SLURM_CONF={self.conf}"]
         ctld = _read_pid(self.ctld_pidfile)
-        lines.append(f"slurmctld: {'pid %d' % ctld if ctld and _pid_alive(ctld) else 'not running'}")
+        lines.append(f"slurmctld: {f'pid {ctld}' if ctld and _pid_alive(ctld) else 'not running'}")
         for n in self.node_names:
             pid = _read_pid(self.slurmd_pidfile(n))
-            lines.append(f"slurmd {n}: {'pid %d' % pid if pid and _pid_alive(pid) else 'not running'}")
+            lines.append(f"slurmd {n}: {f'pid {pid}' if pid and _pid_alive(pid) else 'not running'}")
         if ctld and _pid_alive(ctld):
             lines.append(_run(["sinfo", "-N", "-o", "%N %T %c %m %P"], check=False, env=self.env))
             lines.append(_run(["squeue"], check=False, env=self.env))
