@@ -1,0 +1,413 @@
+"""The one source of truth for experiment configuration.
+
+A config file has a shared part (``data``, ``model``, ``cluster``, ``train``) and a ``runs:``
+table. Each run is the shared part with that run's overrides deep-merged on top, so one config
+describes a batch of experiments that share one tokenized dataset.
+
+The JSON schema that the Snakefile validates is generated from these classes
+(``python -m pipeline.config schema``); ``tests/test_config.py`` fails when the checked-in
+``config/schema.json`` is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import PipelineError
+
+#: Run names become directory names and Slurm job names: keep them boring.
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    # extra="forbid": an unknown key is an error, not silently ignored.
+    # use_attribute_docstrings: the docstring under each field becomes its schema description.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class SourceConfig(_Strict):
+    """One input corpus: a path or glob of text files."""
+
+    path: str
+    """File, directory or glob. A leading ``<stdlib>`` expands to the Python standard library's
+    source directory (the embedded default corpus, present on every machine)."""
+    format: Literal["auto", "txt", "jsonl", "parquet"] = "auto"
+    """Input format; ``auto`` decides by file extension (``.gz``/``.zst`` are looked through)."""
+    text_field: str = "text"
+    """JSONL field / Parquet column holding the document text."""
+    doc_split: Literal["file", "blank-line"] = "file"
+    """For txt: one document per file, or one per blank-line-separated block."""
+
+
+class TokenizerConfig(_Strict):
+    """Which tokenizer to use: a local one, or a byte-level BPE trained by the pipeline."""
+
+    path: str | None = None
+    """A local HF tokenizer directory or ``tokenizer.json``. ``null`` trains a byte-level BPE."""
+    vocab_size: int = Field(1024, ge=260, le=1_048_576)
+    """Vocabulary size of the trained BPE (ignored when ``path`` is set)."""
+    train_max_bytes: int = Field(20_000_000, gt=0)
+    """At most this many bytes of the corpus are read to train the BPE."""
+
+
+class DataConfig(_Strict):
+    """Raw text → packed token sequences."""
+
+    sources: list[SourceConfig] = Field(min_length=1)
+    """The corpora; all are tokenized into one dataset."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    """Tokenizer settings."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens per packed training sequence."""
+    shards: int = Field(2, ge=1, le=100_000)
+    """Number of parallel tokenize jobs (and shard files)."""
+    val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    """Fraction of documents held out for validation (chosen by a hash of each document)."""
+    on_invalid: Literal["skip", "fail"] = "skip"
+    """Documents that are not valid UTF-8 (or bad JSONL lines): skip and count, or fail."""
+    bos: bool = False
+    """Prepend BOS to every document (EOS is always appended)."""
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        first = self.sources[0]
+        for i, s in enumerate(self.sources[1:], start=1):
+            if (s.format, s.text_field, s.doc_split) != (first.format, first.text_field, first.doc_split):
+                raise ValueError(
+                    f"data.sources.{i}: all sources must share format, text_field and doc_split "
+                    "(one tokenize command reads them all); split them into separate configs"
+                )
+        return self
+
+
+class ModelConfig(_Strict):
+    """A Llama-style causal LM built from a config (no hub download), or a local HF model."""
+
+    init_from: str | None = None
+    """A local HF model directory to continue training from; ``null`` builds from scratch."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(172, ge=8)
+    """Width of the MLP."""
+    num_layers: int = Field(2, ge=1)
+    """Number of decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int | None = Field(None, ge=1)
+    """Key/value heads (grouped-query attention); ``null`` means equal to ``num_heads``."""
+    max_position_embeddings: int = Field(256, ge=2)
+    """Longest sequence the rotary embedding is set up for."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and the output projection."""
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    """Attention kernel used in training (``eager`` makes logits comparisons exact)."""
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_heads ({self.num_heads})"
+            )
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({kv})"
+            )
+        return self
+
+
+class ClusterConfig(_Strict):
+    """Where training runs. Locally, 'GPUs' are CPU processes."""
+
+    nodes: int = Field(1, ge=1)
+    """Number of nodes (one ``torchrun`` per node)."""
+    gpus_per_node: int = Field(2, ge=1)
+    """Processes per node: GPUs on a GPU node, CPU processes on a CPU node."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` uses CUDA when available, else CPU with gloo."""
+    gpu_mem_gb: float = Field(80.0, gt=0)
+    """Memory of one GPU, for the memory plan."""
+    host_mem_gb: float = Field(256.0, gt=0)
+    """Host RAM of one node, for the memory plan (offload)."""
+
+
+class TrainConfig(_Strict):
+    """Optimization and checkpointing."""
+
+    backend: Literal["fsdp", "deepspeed"] = "fsdp"
+    """Training engine: FSDP2 (``fully_shard``, DCP checkpoints) or DeepSpeed (ZeRO)."""
+    zero_stage: int = Field(1, ge=0, le=3)
+    """DeepSpeed ZeRO stage (``backend: deepspeed``)."""
+    fsdp_sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
+    """FSDP2 sharding (``backend: fsdp``): reshard after forward or not, or plain DDP-like."""
+    offload_optimizer: bool = False
+    """Keep optimizer states on the host (DeepSpeed ZeRO-Offload)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter/compute precision; bf16 keeps fp32 master weights and fp32 reduction."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward to save memory."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per process per forward/backward."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro batches accumulated per optimizer step."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Sequences per optimizer step; if given it must equal micro × accumulation × data-parallel."""
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps to train."""
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup from 0 to ``lr``; then linear decay to 0 at ``max_steps``."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0 disables)."""
+    torch_adam: bool = True
+    """DeepSpeed: use torch's AdamW instead of the JIT-compiled fused kernel."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Save a checkpoint every this many optimizer steps (and at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Complete checkpoints kept; older ones are deleted."""
+    seed: int = 1234
+    """Seed for weights init and the data order."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"train.warmup_steps ({self.warmup_steps}) must be smaller than "
+                f"train.max_steps ({self.max_steps})"
+            )
+        if self.offload_optimizer and self.backend != "deepspeed":
+            raise ValueError("train.offload_optimizer needs train.backend: deepspeed")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
+        return self
+
+
+class RunConfig(_Strict):
+    """One fully-resolved experiment: what one training job uses."""
+
+    name: str
+    """The run's name (its directory under ``results/runs/``)."""
+    data: DataConfig
+    """Data settings (shared by every run of a config)."""
+    model: ModelConfig = ModelConfig()
+    """Model settings."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Cluster shape."""
+    train: TrainConfig = TrainConfig()
+    """Training settings."""
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * self.dp_size
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> RunConfig:
+        t = self.train
+        if t.global_batch_size is not None and t.global_batch_size != self.global_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must equal "
+                f"train.micro_batch_size ({t.micro_batch_size}) × train.grad_accum "
+                f"({t.grad_accum}) × data-parallel degree ({self.dp_size} = cluster.nodes × "
+                f"cluster.gpus_per_node) = {self.global_batch_size}; change one of them"
+            )
+        if self.data.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
+                f"({self.model.max_position_embeddings})"
+            )
+        if not RUN_NAME_RE.match(self.name):
+            raise ValueError(
+                f"run name {self.name!r} must match {RUN_NAME_RE.pattern} (it becomes a "
+                "directory and a Slurm job name)"
+            )
+        return self
+
+
+class Config(_Strict):
+    """A config file: shared settings plus a table of runs."""
+
+    data: DataConfig
+    """Data settings, shared by every run."""
+    model: ModelConfig = ModelConfig()
+    """Default model settings for every run."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Default cluster shape for every run."""
+    train: TrainConfig = TrainConfig()
+    """Default training settings for every run."""
+    runs: dict[str, RunOverrides] = Field(default_factory=lambda: {"main": RunOverrides()})
+    """Run name → overrides of ``model``/``cluster``/``train`` for that run."""
+
+    def run_names(self) -> list[str]:
+        return list(self.runs)
+
+    def run(self, name: str) -> RunConfig:
+        """The effective config of one run (shared settings with its overrides on top)."""
+        if name not in self.runs:
+            raise PipelineError(f"unknown run {name!r}; the config defines {sorted(self.runs)}")
+        base = self.model_dump(mode="json", exclude={"runs"})
+        merged = _deep_merge(base, self.runs[name].model_dump(mode="json", exclude_none=True))
+        return _validate(RunConfig, {"name": name, **merged}, where=f"runs.{name}.")
+
+
+class RunOverrides(_Strict):
+    """Per-run overrides; any key of ``model``, ``cluster`` or ``train``."""
+
+    model: dict[str, Any] | None = None
+    """Overrides of ``model`` for this run."""
+    cluster: dict[str, Any] | None = None
+    """Overrides of ``cluster`` for this run."""
+    train: dict[str, Any] | None = None
+    """Overrides of ``train`` for this run."""
+
+
+Config.model_rebuild()
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = where + ".".join(str(p) for p in e["loc"]) if e["loc"] else where.rstrip(".")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check its spelling against config/schema.json)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {path or '<top level>'}: {msg}" + _got(e))
+    return "\n".join(lines)
+
+
+def _got(e: dict[str, Any]) -> str:
+    if e["type"] in ("extra_forbidden", "missing") or isinstance(e.get("input"), dict):
+        return ""
+    return f" (got {e.get('input')!r})"
+
+
+def _validate(cls: type[BaseModel], raw: Any, where: str = "") -> Any:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as err:
+        raise PipelineError("invalid config:\n" + _format_errors(err, where)) from None
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    """Validate a config dict (e.g. Snakemake's ``config``), and every run's effective config."""
+    if not isinstance(raw, dict):
+        raise PipelineError("invalid config: the top level must be a mapping")
+    cfg: Config = _validate(Config, raw)
+    for name in cfg.runs:
+        cfg.run(name)  # raises with the run's key path on impossible combinations
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"config file {p} does not exist") from None
+    except yaml.YAMLError as err:
+        raise PipelineError(f"config file {p} is not valid YAML: {err}") from None
+    return parse_config(raw)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a rendered run's ``config.json``."""
+    return _validate(RunConfig, json.loads(Path(path).read_text()))
+
+
+def expand_source(path: str) -> list[Path]:
+    """The files a source path names: ``<stdlib>`` expanded, directories walked, globs matched."""
+    import glob
+    import sysconfig
+
+    if path.startswith("<stdlib>"):
+        path = sysconfig.get_paths()["stdlib"] + path[len("<stdlib>") :]
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+    else:
+        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+    return files
+
+
+def expand_sources(sources: list[SourceConfig]) -> list[Path]:
+    """All input files of ``data.sources``; a source that matches nothing is an error."""
+    out: list[Path] = []
+    for i, src in enumerate(sources):
+        files = expand_source(src.path)
+        if not files:
+            raise PipelineError(
+                f"data.sources.{i}.path: {src.path!r} matches no file; check the path or glob "
+                "(relative paths are relative to the directory Snakemake runs in)"
+            )
+        out.extend(files)
+    return out
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a config file, generated from the classes above."""
+    schema = Config.model_json_schema()
+    schema["$schema"] = "http://json-schema.org/draft-07/schema#"
+    return schema
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.config", description="Validate a config or print its schema."
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("schema", help="print the JSON schema generated from the config classes")
+    check = sub.add_parser("check", help="validate a config file and print each run's config")
+    check.add_argument("config", type=Path)
+    args = parser.parse_args(argv)
+    if args.cmd == "schema":
+        print(json.dumps(json_schema(), indent=2, sort_keys=True))
+        return 0
+    try:
+        cfg = load_config(args.config)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name in cfg.run_names():
+        print(json.dumps(cfg.run(name).model_dump(mode="json"), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

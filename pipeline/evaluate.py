@@ -1,0 +1,159 @@
+"""The evaluate stage: held-out perplexity of the consolidated HF model, and a report.
+
+``python -m pipeline.evaluate --model results/runs/NAME/hf --data-dir results/data --run-dir
+results/runs/NAME --out results/runs/NAME/eval`` loads the model with ``from_pretrained`` (not
+training state, so what is measured is what users get), computes the mean token loss on the
+whole validation split, and writes ``metrics.json``, ``loss.png`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.io import read_json, write_json_atomic, write_text_atomic
+
+
+@torch.no_grad()
+def perplexity(model: Any, sequences: np.ndarray, batch_size: int = 16) -> dict[str, float]:
+    """Token-weighted mean loss and perplexity over packed sequences (labels = inputs, shifted)."""
+    total_loss = 0.0
+    total_tokens = 0
+    for i in range(0, len(sequences), batch_size):
+        ids = torch.from_numpy(sequences[i : i + batch_size].astype(np.int64))
+        logits = model(input_ids=ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="sum"
+        )
+        total_loss += loss.item()
+        total_tokens += ids[:, 1:].numel()
+    if total_tokens == 0:
+        raise PipelineError("the validation split is empty: raise data.val_fraction")
+    mean = total_loss / total_tokens
+    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl, keeping the last record of each step (a resumed run repeats some)."""
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_training(records: list[dict[str, Any]], png: Path, val_loss: float | None) -> None:
+    """Loss against tokens (with the validation loss as a point), learning rate, tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    tokens = [r["tokens_seen"] for r in records]
+    axes[0].plot(tokens, [r["loss"] for r in records], label="train")
+    if val_loss is not None and tokens:
+        axes[0].scatter([tokens[-1]], [val_loss], color="C3", zorder=3, label="validation")
+    axes[0].set(xlabel="tokens", ylabel="loss", title="loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in records], [r["lr"] for r in records])
+    axes[1].set(xlabel="step", ylabel="learning rate", title="learning rate")
+    axes[2].plot([r["step"] for r in records], [r["tokens_per_s"] for r in records])
+    axes[2].set(xlabel="step", ylabel="tokens/s", title="throughput")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path) -> dict[str, Any]:
+    """Evaluate the HF model on the validation split; write metrics, plot and report."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data import PackedDataset
+
+    if not (model_dir / "config.json").is_file():
+        raise PipelineError(f"{model_dir} is not an HF model directory: run consolidate first")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    val = PackedDataset(data_dir, split="validation")
+    seqs = np.stack([val[i] for i in range(len(val))]) if len(val) else np.zeros((0, 2), np.int32)
+    result = perplexity(model, seqs)
+    origin = read_json(model_dir / "zerosnake.json")
+    records = read_metrics(run_dir / "metrics.jsonl")
+    prompt = "def "
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    sample = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    metrics = {
+        **result,
+        "vocab_size": model.config.vocab_size,
+        "validation_sequences": len(val),
+        "step": origin["step"],
+        "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
+        "final_train_loss": records[-1]["loss"] if records else None,
+        "samples": [{"prompt": prompt, "text": tokenizer.decode(sample[0])}],
+    }
+    write_json_atomic(out / "metrics.json", metrics)
+    plot_training(records, out / "loss.png", result["loss"])
+    write_text_atomic(out / "report.md", _report(run_dir.name, metrics, records))
+    return metrics
+
+
+def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    tps = [r["tokens_per_s"] for r in records]
+    lines = [
+        f"# Run `{run}`",
+        "",
+        f"- Validation perplexity **{m['perplexity']:.2f}** (loss {m['loss']:.4f} over "
+        f"{m['tokens']} tokens; vocabulary {m['vocab_size']})",
+        f"- Final training loss {m['final_train_loss']:.4f} at step {m['step']}"
+        if m["final_train_loss"] is not None
+        else f"- Step {m['step']}",
+        f"- Median throughput {float(np.median(tps)):.0f} tokens/s" if tps else "",
+        "",
+        "![training curves](loss.png)",
+        "",
+        "## Sample",
+        "",
+        "```",
+        m["samples"][0]["text"],
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.evaluate",
+        description="Held-out perplexity of a consolidated HF model, plots and a report.",
+    )
+    p.add_argument("--model", type=Path, required=True, help="HF model dir (consolidate output)")
+    p.add_argument("--data-dir", type=Path, required=True, help="results/data")
+    p.add_argument("--run-dir", type=Path, required=True, help="results/runs/<run> (metrics.jsonl)")
+    p.add_argument("--out", type=Path, required=True, help="output dir for metrics/plots/report")
+    args = p.parse_args(argv)
+    try:
+        m = evaluate(args.model, args.data_dir, args.run_dir, args.out)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: m[k] for k in ("loss", "perplexity", "tokens")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

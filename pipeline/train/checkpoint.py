@@ -1,0 +1,188 @@
+"""Checkpoint folders: atomic, verified, pruned.
+
+Layout of one checkpoint::
+
+    checkpoints/step-000050/
+        dcp/ or ds/          the engine's sharded files (DCP for fsdp, DeepSpeed's own)
+        trainer.json         step, tokens seen, loader and scheduler state (rank-independent)
+        rng/rank-00000.pt    torch / numpy / python RNG states of each rank
+        manifest.json        written LAST: sha256 of every file, config and data hashes
+
+Every rank writes into ``checkpoints/.tmp-step-000050``; after a barrier, rank 0 hashes the
+files, writes the manifest and renames the folder into place (OLMo-core's tmp-then-rename).
+A folder without a manifest that verifies is never resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.io import read_json, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+STEP_RE = re.compile(r"^step-(\d{6,})$")
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The folder name of the checkpoint of ``step``."""
+    return root / f"step-{step:06d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is built before it is renamed into place."""
+    return root / f".tmp-step-{step:06d}"
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def verify(path: Path) -> str | None:
+    """None if the checkpoint's manifest verifies, else the reason it does not."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return "no manifest.json (the save did not finish)"
+    try:
+        meta = read_json(manifest)
+    except ValueError as err:
+        return f"manifest.json is not valid JSON ({err})"
+    for rel, info in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+        if sha256_file(f) != info["sha256"]:
+            return f"{rel} does not match its sha256"
+    return None
+
+
+def latest_valid(root: Path) -> tuple[int, Path] | None:
+    """The newest checkpoint whose manifest verifies; broken ones are skipped with a warning."""
+    for step, path in reversed(_steps(root)):
+        why = verify(path)
+        if why is None:
+            return step, path
+        log.warning("skipping checkpoint %s: %s", path, why)
+    return None
+
+
+def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int) -> Path:
+    """Rank 0, after every rank wrote into the tmp folder: manifest last, rename, prune."""
+    tmp = tmp_dir(root, step)
+    files = {}
+    for f in sorted(tmp.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            rel = f.relative_to(tmp).as_posix()
+            files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    write_json_atomic(tmp / MANIFEST, {**meta, "step": step, "files": files, "time": time.time()})
+    final = step_dir(root, step)
+    if final.exists():  # a checkpoint of the same step from an attempt that died after renaming
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for _, old in _steps(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def clean_tmp(root: Path) -> None:
+    """Remove half-written checkpoint folders left by a killed attempt (rank 0, at start)."""
+    if root.is_dir():
+        for p in root.glob(".tmp-step-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# RNG state is saved as tensors and plain containers so that it loads with weights_only=True.
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, numpy, python)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rng(ckpt: Path, rank: int) -> None:
+    """Write this rank's RNG state into a checkpoint folder."""
+    path = ckpt / "rng" / f"rank-{rank:05d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path)
+
+
+def load_rng(ckpt: Path, rank: int) -> bool:
+    """Restore this rank's RNG state if the checkpoint has one (not when the world size changed)."""
+    path = ckpt / "rng" / f"rank-{rank:05d}.pt"
+    if not path.is_file():
+        return False
+    set_rng_state(torch.load(path, weights_only=True))
+    return True
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """What the loop needs besides the engine's state to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    tokens_seen: int = 0
+    """Tokens consumed by all ranks together."""
+    loader: dict[str, Any] | None = None
+    """The data loader's state_dict."""
+    scheduler: dict[str, Any] | None = None
+    """The LR scheduler's state_dict (fsdp; DeepSpeed keeps its own)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "loader": self.loader,
+            "scheduler": self.scheduler,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainerState:
+        return cls(**d)

@@ -1,0 +1,201 @@
+"""The two training engines behind one small interface.
+
+The loop in ``loop.py`` only calls ``train_step``, ``save``, ``load`` and ``logits``; which
+engine runs is one config key (``train.backend``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import RunConfig
+from pipeline.train.model import decoder_layers
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step reports (local to the rank; the loop averages the loss)."""
+
+    loss: float
+    """Mean loss over this rank's micro batches."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate the step used."""
+
+
+class Engine(Protocol):
+    """What the training loop needs from an engine."""
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult: ...
+    def save(self, ckpt: Path) -> dict[str, Any]: ...
+    def load(self, ckpt: Path, extra: dict[str, Any]) -> None: ...
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def warmup_decay_lambda(warmup: int, total: int):
+    """DeepSpeed's ``WarmupDecayLR`` (linear warmup) as a ``LambdaLR`` factor.
+
+    DeepSpeed's scheduler starts at ``last_batch_iteration = -1`` (lr = warmup_min_lr = 0) and
+    steps after every optimizer step; ``LambdaLR`` evaluates epoch 0 at construction. So
+    epoch e here is DeepSpeed's iteration e - 1: both engines use the same rate at every step.
+    """
+
+    def factor(epoch: int) -> float:
+        it = epoch - 1
+        if it < 0:
+            return 0.0
+        if it < warmup:
+            return it / warmup
+        return max(0.0, (total - it) / max(1.0, total - warmup))
+
+    return factor
+
+
+def _enable_activation_checkpointing(model: Any) -> None:
+    # HF's own checkpointing of each decoder layer; non-reentrant so it composes with FSDP2 and
+    # ZeRO-3 hooks. use_cache is off (a cached forward would be replayed twice on recompute).
+    model.config.use_cache = False
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
+
+
+class FSDPEngine:
+    """FSDP2: ``fully_shard`` per decoder layer, then the root; DCP checkpoints."""
+
+    def __init__(self, model: Any, run: RunConfig, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        t = run.train
+        world = dist.get_world_size()
+        if t.activation_checkpointing:
+            _enable_activation_checkpointing(model)
+        model.to(device)
+        if t.fsdp_sharding == "NO_SHARD":
+            # Replicate over all ranks, shard over a dimension of size 1: DDP semantics (HSDP).
+            mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if t.precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        # SHARD_GRAD_OP (ZeRO-2-like) keeps parameters gathered between forward and backward.
+        reshard = t.fsdp_sharding == "FULL_SHARD"
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        self.model = model
+        self.clip = t.grad_clip
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, warmup_decay_lambda(t.warmup_steps, t.max_steps)
+        )
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        n = len(micro_batches)
+        total = 0.0
+        for i, ids in enumerate(micro_batches):
+            # Reduce-scatter gradients only on the last micro batch of the accumulation.
+            self.model.set_requires_gradient_sync(i == n - 1)
+            loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / n).backward()
+            total += loss.detach().float().item()
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.clip if self.clip > 0 else math.inf
+        )
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return StepResult(loss=total / n, grad_norm=float(norm), lr=lr)
+
+    def save(self, ckpt: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / "dcp"))
+        return {"scheduler": self.sched.state_dict()}
+
+    def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        self.sched.load_state_dict(extra["scheduler"])
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        try:
+            return self.model(input_ids=input_ids).logits.float()
+        finally:
+            self.model.train()
+
+
+class DeepSpeedEngine:
+    """The DeepSpeed engine with the rendered ``ds_config.json`` (ZeRO stage, offload, bf16)."""
+
+    def __init__(self, model: Any, run: RunConfig, ds_config: dict[str, Any]) -> None:
+        import deepspeed
+
+        if run.train.activation_checkpointing:
+            _enable_activation_checkpointing(model)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config
+        )
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        total = 0.0
+        lr = self.engine.get_lr()[0]
+        for ids in micro_batches:
+            ids = ids.to(self.engine.device)
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            # DeepSpeed scales by 1/grad_accum and steps the optimizer at the boundary itself.
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float().item()
+        norm = self.engine.get_global_grad_norm()
+        return StepResult(
+            loss=total / len(micro_batches),
+            grad_norm=float(norm) if norm is not None else float("nan"),
+            lr=lr,
+        )
+
+    def save(self, ckpt: Path) -> dict[str, Any]:
+        self.engine.save_checkpoint(str(ckpt), tag="ds", save_latest=False)
+        return {}
+
+    def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt}")
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.engine.eval()
+        try:
+            return self.engine(input_ids=input_ids.to(self.engine.device)).logits.float()
+        finally:
+            self.engine.train()

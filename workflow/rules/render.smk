@@ -1,0 +1,19 @@
+# Stage 2: render. One run's typed config → ds_config.json, fsdp.json, topology.json, plan.md,
+# launch.json; pre-flight checks run here, on the login node, before anything is queued.
+
+
+rule render:
+    input:
+        manifest=f"{DATA}/manifest.json",
+    output:
+        config="results/runs/{run}/config.json",
+        ds="results/runs/{run}/ds_config.json",
+        topology="results/runs/{run}/topology.json",
+        plan="results/runs/{run}/plan.md",
+    params:
+        cfg=run_params,
+    log:
+        "results/logs/render/{run}.log",
+    shell:
+        "{PY:q} -m pipeline.render --config-json {params.cfg:q} --run {wildcards.run:q}"
+        " --out results/runs/{wildcards.run:q} > {log:q} 2>&1"

@@ -1,0 +1,36 @@
+# Stage 3: train. Submits the run's job through submitit (local executor, or Slurm when the
+# profile sets resources.launcher=slurm) and waits across requeues. Checkpoints live in
+# results/runs/{run}/checkpoints and are NOT outputs, so a killed rule keeps them and the
+# rerun resumes from the newest complete one.
+
+
+rule train:
+    input:
+        config="results/runs/{run}/config.json",
+        ds="results/runs/{run}/ds_config.json",
+        manifest=f"{DATA}/manifest.json",
+    output:
+        done="results/runs/{run}/train.done",
+    log:
+        "results/logs/train/{run}.log",
+    threads: lambda wildcards: CFG.run(wildcards.run).cluster.gpus_per_node
+    resources:
+        launcher="local",
+        slurm_partition="",
+        slurm_account="",
+        slurm_qos="",
+        constraint="",
+        slurm_exclude="",
+        runtime=60,
+        cpus_per_task=2,
+        signal_delay_s=90,
+        max_requeues=3,
+    shell:
+        "{PY:q} -m pipeline.train launch --run-dir results/runs/{wildcards.run:q}"
+        " --data-dir {DATA:q} --launcher {resources.launcher:q}"
+        " --partition {resources.slurm_partition:q} --account {resources.slurm_account:q}"
+        " --qos {resources.slurm_qos:q} --constraint {resources.constraint:q}"
+        " --exclude {resources.slurm_exclude:q} --time-min {resources.runtime}"
+        " --cpus-per-task {resources.cpus_per_task} --signal-delay-s {resources.signal_delay_s}"
+        " --max-requeues {resources.max_requeues} --job-name zs-{wildcards.run:q}"
+        " > {log:q} 2>&1"
