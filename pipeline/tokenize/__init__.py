@@ -1,0 +1,10 @@
+"""Tokenize stage: raw text → packed, sharded Arrow sequences + manifest.json.
+
+``python -m pipeline.tokenize shard|gather ...`` (see ``__main__``); the Python API is
+:func:`tokenize_shard`, :func:`gather` and :class:`SourceSpec`.
+"""
+
+from pipeline.tokenize.shard import gather, shard_path, stats_path, tokenize_shard
+from pipeline.tokenize.sources import SourceSpec
+
+__all__ = ["SourceSpec", "gather", "shard_path", "stats_path", "tokenize_shard"]

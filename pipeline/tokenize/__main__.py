@@ -1,0 +1,128 @@
+"""CLI of the tokenize stage.
+
+    python -m pipeline.tokenize shard --input PATH... --tokenizer DIR --seq-len N --shards K
+        --shard I --out DIR [--format txt|jsonl|parquet] [--text-field F]
+        [--doc-split file|blank-line] [--val-fraction F] [--on-invalid skip|fail] [--bos]
+        [--no-fast] [--threads N] [--no-progress]
+    python -m pipeline.tokenize gather --out DIR --shards K --tokenizer DIR
+
+``shard`` may be omitted (``python -m pipeline.tokenize --input ...`` tokenizes one shard).
+User errors print ``error: <message>`` to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pipeline.errors import PipelineError
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.tokenize",
+        description="Tokenize raw text into packed Arrow shards, then gather a manifest.",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sh = sub.add_parser("shard", help="tokenize shard I of K")
+    sh.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, dirs or globs; <stdlib> = Python's stdlib dir",
+    )
+    sh.add_argument("--tokenizer", required=True, help="HF tokenizer dir or tokenizer.json")
+    sh.add_argument("--seq-len", type=int, required=True)
+    sh.add_argument("--shards", type=int, default=1)
+    sh.add_argument("--shard", type=int, default=0)
+    sh.add_argument("--out", required=True, help="data directory (shards/ and manifest.json)")
+    sh.add_argument(
+        "--format", choices=["txt", "jsonl", "parquet"], default=None, help="default: by extension"
+    )
+    sh.add_argument(
+        "--text-field", default="text", help="JSONL field / Parquet column (default: text)"
+    )
+    sh.add_argument(
+        "--doc-split",
+        choices=["file", "blank-line"],
+        default="file",
+        help="txt: one doc per file or per blank-line block",
+    )
+    sh.add_argument("--val-fraction", type=float, default=0.01)
+    sh.add_argument(
+        "--on-invalid",
+        choices=["skip", "fail"],
+        default=None,
+        help="invalid documents: skip and count, or fail (default: skip invalid UTF-8, fail on bad JSONL)",
+    )
+    sh.add_argument("--bos", action="store_true", help="start every document with the BOS token")
+    sh.add_argument(
+        "--no-fast", action="store_true", help="use HF encode_batch, not the tiktoken fast path"
+    )
+    sh.add_argument(
+        "--threads", type=int, default=None, help="encoder threads (default: usable cores)"
+    )
+    sh.add_argument("--no-progress", action="store_true")
+    ga = sub.add_parser("gather", help="write manifest.json from complete shards")
+    ga.add_argument("--out", required=True)
+    ga.add_argument("--shards", type=int, required=True)
+    ga.add_argument("--tokenizer", required=True)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("--") and argv[0] not in ("--help", "-h"):
+        argv.insert(0, "shard")  # `python -m pipeline.tokenize --input ...` = one shard
+    args = _parser().parse_args(argv)
+    from pipeline.tokenize.shard import gather, tokenize_shard
+    from pipeline.tokenize.sources import SourceSpec
+
+    try:
+        if args.cmd == "shard":
+            spec = SourceSpec.from_args(
+                args.input, fmt=args.format, text_field=args.text_field, doc_split=args.doc_split
+            )
+            stats = tokenize_shard(
+                spec,
+                args.tokenizer,
+                seq_len=args.seq_len,
+                shards=args.shards,
+                shard=args.shard,
+                out=args.out,
+                val_fraction=args.val_fraction,
+                on_invalid=args.on_invalid,
+                bos=args.bos,
+                fast=not args.no_fast,
+                num_threads=args.threads,
+                progress=not args.no_progress,
+            )
+            summary = {
+                k: stats[k] for k in ("shard", "skipped", "encoder", "elapsed_s", "tokens_per_s")
+            }
+            summary["splits"] = {
+                s: {k: v for k, v in e.items() if k != "tail_ids"}
+                for s, e in stats["splits"].items()
+            }
+            print(json.dumps(summary))
+        else:
+            m = gather(args.out, args.shards, args.tokenizer)
+            print(
+                json.dumps(
+                    {
+                        s: {k: v for k, v in e.items() if k != "shards"}
+                        for s, e in m["splits"].items()
+                    }
+                )
+            )
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
