@@ -9,6 +9,10 @@ min_version("8.0")
 configfile: "config/config.yaml"
 
 
+envvars:
+    "PATH",
+
+
 # Typed validation first (messages name the key path, e.g. train.micro_batch_size), then the
 # JSON schema generated from the same classes, as every Snakemake workflow does.
 include: "workflow/rules/common.smk"

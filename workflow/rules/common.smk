@@ -1,12 +1,13 @@
 # Shared helpers: the validated config, run names, paths, and the python that runs stages.
 import json
+import os
 import sys
 
 from pipeline.config import expand_sources, parse_config
 
-# The interpreter running Snakemake (the project's venv) runs every stage, also on cluster
-# nodes that share the file system.
-PY = sys.executable
+# Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
+# (the project's venv) even when the venv is not activated; Slurm jobs inherit this PATH.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 CFG = parse_config(config)
 RUNS = CFG.run_names()
 DATA = "results/data"
@@ -29,5 +30,10 @@ def run_params(wildcards):
     return json.dumps(CFG.run(wildcards.run).model_dump(mode="json"), sort_keys=True)
 
 
-def source_args():
-    return [str(p) for p in SOURCE_FILES]
+def format_args():
+    """Reader flags shared by the tokenizer and tokenize rules (all sources share them)."""
+    src = CFG.data.sources[0]
+    args = ["--text-field", src.text_field, "--doc-split", src.doc_split]
+    if src.format != "auto":
+        args += ["--format", src.format]
+    return args

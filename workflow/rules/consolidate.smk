@@ -7,8 +7,10 @@ rule consolidate:
         manifest=f"{DATA}/manifest.json",
     output:
         config="results/runs/{run}/hf/config.json",
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/consolidate/{run}.log",
     shell:
-        "{PY:q} -m pipeline.consolidate --run-dir results/runs/{wildcards.run:q}"
-        " --data-dir {DATA:q} --out results/runs/{wildcards.run:q}/hf > {log:q} 2>&1"
+        "python -m pipeline.consolidate --run-dir results/runs/{wildcards.run:q}"
+        " --data-dir results/data --out results/runs/{wildcards.run:q}/hf > {log:q} 2>&1"

@@ -9,9 +9,11 @@ rule evaluate:
         metrics="results/runs/{run}/eval/metrics.json",
         plot="results/runs/{run}/eval/loss.png",
         report="results/runs/{run}/eval/report.md",
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/evaluate/{run}.log",
     shell:
-        "{PY:q} -m pipeline.evaluate --model results/runs/{wildcards.run:q}/hf"
-        " --data-dir {DATA:q} --run-dir results/runs/{wildcards.run:q}"
+        "python -m pipeline.evaluate --model results/runs/{wildcards.run:q}/hf"
+        " --data-dir results/data --run-dir results/runs/{wildcards.run:q}"
         " --out results/runs/{wildcards.run:q}/eval > {log:q} 2>&1"

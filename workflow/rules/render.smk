@@ -12,8 +12,10 @@ rule render:
         plan="results/runs/{run}/plan.md",
     params:
         cfg=run_params,
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/render/{run}.log",
     shell:
-        "{PY:q} -m pipeline.render --config-json {params.cfg:q} --run {wildcards.run:q}"
+        "python -m pipeline.render --config-json {params.cfg:q} --run {wildcards.run:q}"
         " --out results/runs/{wildcards.run:q} > {log:q} 2>&1"

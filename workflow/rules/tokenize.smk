@@ -1,13 +1,7 @@
-# Stage 1: tokenize. A tokenizer (trained here, or a local one), then one job per shard, then a
-# gather step that writes manifest.json. Shard jobs write to temporary names and rename.
-
-
-def _format_args():
-    src = CFG.data.sources[0]
-    args = ["--text-field", src.text_field, "--doc-split", src.doc_split]
-    if src.format != "auto":
-        args += ["--format", src.format]
-    return args
+# Stage 1: tokenize. A tokenizer (trained here, or a local one imported), then one job per
+# shard, then a gather step that writes manifest.json. Shard jobs write to temporary names and
+# rename; a shard whose stats file is present and whose checksum matches is not redone.
+# Every value from the config reaches the shell quoted (`:q`): paths are data, never commands.
 
 
 rule tokenizer:
@@ -17,25 +11,21 @@ rule tokenizer:
         f"{DATA}/tokenizer/tokenizer.json",
     params:
         data=data_params(),
-        tok=CFG.data.tokenizer.path or "",
-        inputs=source_args(),
-        fmt=_format_args(),
+        fmt=format_args(),
+        vocab=CFG.data.tokenizer.vocab_size,
+        max_bytes=CFG.data.tokenizer.train_max_bytes,
+        source=CFG.data.tokenizer.path or "",
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/tokenizer.log",
-    run:
-        # An argument list (never a shell string built from config): paths with spaces, quotes
-        # or `;` reach the program as data.
-        import subprocess
-
-        out = str(Path(output[0]).parent)
-        if params.tok:
-            argv = [PY, "-m", "pipeline.tokenizer", "import", "--path", params.tok, "--out", out]
-        else:
-            argv = [PY, "-m", "pipeline.tokenizer", "train", "--input", *params.inputs,
-                    "--vocab-size", str(CFG.data.tokenizer.vocab_size), "--out", out,
-                    "--max-bytes", str(CFG.data.tokenizer.train_max_bytes), *params.fmt]
-        with open(log[0], "w") as f:
-            subprocess.run(argv, check=True, stdout=f, stderr=subprocess.STDOUT)
+    shell:
+        "if [ -n {params.source:q} ]; then"
+        " python -m pipeline.tokenizer import --path {params.source:q} --out results/data/tokenizer;"
+        " else"
+        " python -m pipeline.tokenizer train --input {input:q} --vocab-size {params.vocab}"
+        " --max-bytes {params.max_bytes} --out results/data/tokenizer {params.fmt:q};"
+        " fi > {log:q} 2>&1"
 
 
 rule tokenize_shard:
@@ -46,21 +36,23 @@ rule tokenize_shard:
         stats=f"{DATA}/shards/shard-{{shard}}.stats.json",
     params:
         data=data_params(),
-        inputs=source_args(),
-        fmt=_format_args(),
+        sources=[str(p) for p in SOURCE_FILES],
+        fmt=format_args(),
+        extra=(["--bos"] if CFG.data.bos else []),
+        seq_len=CFG.data.seq_len,
+        shards=CFG.data.shards,
+        val_fraction=CFG.data.val_fraction,
+        on_invalid=CFG.data.on_invalid,
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/tokenize/shard-{shard}.log",
-    run:
-        import subprocess
-
-        d = CFG.data
-        argv = [PY, "-m", "pipeline.tokenize", "shard", "--input", *params.inputs,
-                "--tokenizer", str(Path(input.tokenizer).parent), "--seq-len", str(d.seq_len),
-                "--shards", str(d.shards), "--shard", str(int(wildcards.shard)),
-                "--out", DATA, "--val-fraction", str(d.val_fraction),
-                "--on-invalid", d.on_invalid, *params.fmt] + (["--bos"] if d.bos else [])
-        with open(log[0], "w") as f:
-            subprocess.run(argv, check=True, stdout=f, stderr=subprocess.STDOUT)
+    shell:
+        "python -m pipeline.tokenize shard --input {params.sources:q}"
+        " --tokenizer results/data/tokenizer --seq-len {params.seq_len}"
+        " --shards {params.shards} --shard {wildcards.shard} --out results/data"
+        " --val-fraction {params.val_fraction} --on-invalid {params.on_invalid}"
+        " {params.fmt:q} {params.extra:q} > {log:q} 2>&1"
 
 
 rule gather:
@@ -69,8 +61,12 @@ rule gather:
         tokenizer=f"{DATA}/tokenizer/tokenizer.json",
     output:
         f"{DATA}/manifest.json",
+    params:
+        shards=CFG.data.shards,
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/gather.log",
     shell:
-        "{PY:q} -m pipeline.tokenize gather --out {DATA:q} --shards {CFG.data.shards}"
-        " --tokenizer {DATA:q}/tokenizer > {log:q} 2>&1"
+        "python -m pipeline.tokenize gather --out results/data --shards {params.shards}"
+        " --tokenizer results/data/tokenizer > {log:q} 2>&1"

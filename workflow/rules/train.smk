@@ -11,6 +11,8 @@ rule train:
         manifest=f"{DATA}/manifest.json",
     output:
         done="results/runs/{run}/train.done",
+    conda:
+        "../envs/zerosnake.yaml"
     log:
         "results/logs/train/{run}.log",
     threads: lambda wildcards: CFG.run(wildcards.run).cluster.gpus_per_node
@@ -26,8 +28,8 @@ rule train:
         signal_delay_s=90,
         max_requeues=3,
     shell:
-        "{PY:q} -m pipeline.train launch --run-dir results/runs/{wildcards.run:q}"
-        " --data-dir {DATA:q} --launcher {resources.launcher:q}"
+        "python -m pipeline.train launch --run-dir results/runs/{wildcards.run:q}"
+        " --data-dir results/data --launcher {resources.launcher:q}"
         " --partition {resources.slurm_partition:q} --account {resources.slurm_account:q}"
         " --qos {resources.slurm_qos:q} --constraint {resources.constraint:q}"
         " --exclude {resources.slurm_exclude:q} --time-min {resources.runtime}"

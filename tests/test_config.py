@@ -1,0 +1,89 @@
+"""Config: typed classes, the generated schema, and errors that name the key path."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from pipeline.config import expand_sources, json_schema, load_config, parse_config
+from pipeline.errors import PipelineError
+from tests.conftest import REPO
+
+DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
+def with_(**changes):
+    """The default config with dotted keys replaced (``{"train.lr": 1}``)."""
+    cfg = copy.deepcopy(DEFAULT)
+    for dotted, value in changes.items():
+        *path, last = dotted.split("__")
+        node = cfg
+        for key in path:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return cfg
+
+
+def test_schema_file_is_generated_from_the_classes():
+    on_disk = json.loads((REPO / "config" / "schema.json").read_text())
+    assert on_disk == json.loads(json.dumps(json_schema())), (
+        "config/schema.json is stale: run `python -m pipeline.config schema > config/schema.json`"
+    )
+
+
+def test_every_field_has_a_description():
+    schema = json_schema()
+    for name, definition in schema["$defs"].items():
+        for field, prop in definition.get("properties", {}).items():
+            assert prop.get("description"), f"{name}.{field} has no docstring"
+
+
+def test_default_config_defines_two_runs_sharing_data():
+    cfg = load_config(REPO / "config" / "config.yaml")
+    assert cfg.run_names() == ["fsdp", "deepspeed"]
+    fsdp, ds = cfg.run("fsdp"), cfg.run("deepspeed")
+    assert fsdp.train.backend == "fsdp" and ds.train.backend == "deepspeed"
+    assert ds.train.zero_stage == 2
+    assert fsdp.data == ds.data
+    assert fsdp.train.lr == ds.train.lr == cfg.train.lr  # overrides touch only what they name
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (with_(train__micro_batchsize=4), "train.micro_batchsize: unknown key"),
+        (with_(train__micro_batch_size="eight"), "train.micro_batch_size"),
+        (with_(train__micro_batch_size=0), "train.micro_batch_size"),
+        (with_(train__backend="megatron"), "train.backend"),
+        (with_(train__global_batch_size=15), "train.global_batch_size (15) must equal"),
+        (with_(data__seq_len=1), "data.seq_len"),
+        (with_(model__num_heads=3), "model.num_heads"),
+        ({**DEFAULT, "runs": {"a": {"train": {"lrr": 1.0}}}}, "runs.a.train.lrr: unknown key"),
+        ({**DEFAULT, "runs": {"a b;": {}}}, "run name 'a b;'"),
+        ({k: v for k, v in DEFAULT.items() if k != "data"}, "data: required key is missing"),
+    ],
+)
+def test_bad_config_names_the_key(raw, needle):
+    with pytest.raises(PipelineError) as err:
+        parse_config(raw)
+    assert needle in str(err.value)
+
+
+def test_batch_that_divides_is_accepted():
+    cfg = parse_config(with_(train__global_batch_size=16))  # 8 micro × 1 × 2 processes
+    assert cfg.run("fsdp").global_batch_size == 16
+
+
+def test_source_matching_nothing_names_the_path(tmp_path):
+    cfg = parse_config(with_(data__sources=[{"path": str(tmp_path / "nothing-*.txt")}]))
+    with pytest.raises(PipelineError, match=r"data\.sources\.0\.path: .*nothing-\*\.txt"):
+        expand_sources(cfg.data.sources)
+
+
+def test_stdlib_source_expands_on_every_machine():
+    cfg = load_config(REPO / "config" / "config.yaml")
+    files = expand_sources(cfg.data.sources)
+    assert len(files) > 20 and all(f.suffix == ".py" for f in files)
