@@ -1,0 +1,86 @@
+"""``python -m pipeline.plan``: run the planner alone. Invalid input: exit 2, message on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline.errors import PipelineError
+from pipeline.plan.memory import ACCOUNTINGS
+from pipeline.plan.preflight import check
+from pipeline.plan.presets import PRESETS, ModelShape, resolve_model
+from pipeline.plan.report import render_plan_md
+from pipeline.plan.spec import FSDP_SHARDINGS, BatchSpec, Cluster, Strategy
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json")
+    model.add_argument("--params", type=float, help="parameter count only, e.g. 7.5e9")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    p.add_argument("--host-mem-gb", type=float, default=512.0)
+    p.add_argument("--engine", choices=("deepspeed", "fsdp"), default=None,
+                   help="default: deepspeed, or fsdp when --strategy names an FSDP strategy")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--strategy", choices=("auto", *FSDP_SHARDINGS), default="auto",
+                   help="FSDP sharding strategy, or auto")
+    p.add_argument("--offload-optimizer", action="store_true", default=None)
+    p.add_argument("--offload-params", action="store_true", default=None)
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--accounting", choices=ACCOUNTINGS, default="deepspeed")
+    p.add_argument("--headroom", type=float, default=0.10)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 1 does not pass pre-flight, 2 bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.params is not None:
+            model = ModelShape.synthetic(int(args.params))
+        else:
+            model = resolve_model(args.model or "tiny")
+        fsdp = args.strategy != "auto"
+        engine = args.engine or ("fsdp" if fsdp else "deepspeed")
+        strategy = Strategy(
+            engine=engine, zero_stage=args.zero_stage,
+            fsdp_sharding=args.strategy if fsdp else None,
+            offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+            tp=args.tp, pp=args.pp)
+        cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          gpu_mem_gb=args.gpu_mem_gb, host_mem_gb=args.host_mem_gb)
+        batch = BatchSpec(seq_len=args.seq_len, micro_batch_size=args.micro_batch,
+                          grad_accum=args.grad_accum, global_batch_size=args.global_batch,
+                          precision=args.precision,
+                          activation_checkpointing=args.activation_checkpointing)
+        the_plan, errors = check(model=model, cluster=cluster, batch=batch, strategy=strategy,
+                                 accounting=args.accounting, headroom=args.headroom)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = the_plan.as_dict()
+        out["preflight_errors"] = [str(e) for e in errors]
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_plan_md(the_plan))
+    for err in errors:
+        print(f"pre-flight: {err}", file=sys.stderr)
+    # Errors in the user's own choices are bad input (2), like argparse's.
+    return 2 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Human-readable ``plan.md`` and a preview of the sbatch/srun lines (pure text)."""
+
+from __future__ import annotations
+
+import shlex
+
+from pipeline.plan.deepspeed_config import SEED_KEY_MAPPING
+from pipeline.plan.memory import MemoryBreakdown
+from pipeline.plan.spec import GB
+from pipeline.plan.strategy import Plan
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.2f}"
+
+
+def _row(label: str, m: MemoryBreakdown, verdict: str) -> str:
+    return (f"| {label} | {_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | "
+            f"{_gb(m.activations)} | {_gb(m.buffers)} | **{_gb(m.total)}** | "
+            f"{_gb(m.host_per_node)} | {verdict} |")
+
+
+def render_plan_md(plan: Plan) -> str:
+    """The plan as Markdown: inputs, chosen strategy, per-GPU breakdown, rejected rungs, notes."""
+    m, d, c, b = plan.model, plan.dims, plan.cluster, plan.batch
+    head = ("| strategy | params | grads | optimizer | activations | buffers | total GB/GPU | "
+            "host GB/node | verdict |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [
+        f"# Plan: {m.name} on {c.nodes} × {c.gpus_per_node} GPUs",
+        "",
+        f"- Model: {m.name}, {m.num_params():,} parameters ({m.num_layers} layers, hidden "
+        f"{m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} KV heads, vocab "
+        f"{m.vocab_size}, tied embeddings: {m.tie_word_embeddings})",
+        f"- Cluster: {c.nodes} node(s) × {c.gpus_per_node} GPUs of {c.gpu_mem_gb:g} GB, "
+        f"{c.host_mem_gb:g} GB host RAM per node",
+        f"- Training: seq {b.seq_len}, micro batch {d.micro_batch_size}, accumulation "
+        f"{d.grad_accum}, global batch {d.global_batch_size} sequences "
+        f"({d.global_batch_size * b.seq_len:,} tokens) per step, {b.precision}, activation "
+        f"checkpointing {'on' if b.activation_checkpointing else 'off'}",
+        f"- Accounting: `{plan.accounting}`; budget {_gb(plan.gpu_budget)} GB/GPU "
+        f"({c.gpu_mem_gb:g} − {c.gpu_reserved_gb:g} reserved, {plan.headroom:.0%} headroom), "
+        f"{_gb(plan.host_budget)} GB host/node",
+        "",
+        f"## Chosen: {plan.strategy.label()} ({'fits' if plan.fits else 'DOES NOT FIT'})",
+        "",
+        f"Layout: world {d.world} = TP {d.tp} × PP {d.pp} × DP {d.dp} (TP inside a node). "
+        f"Communication ≈ {plan.chosen.comm_bytes / GB:.1f} GB per GPU per step.",
+        "",
+        head,
+        _row(plan.strategy.label(), plan.memory, "chosen" if plan.fits else plan.chosen.reason),
+        "",
+    ]
+    if plan.rejected:
+        lines += ["## Rejected rungs (in ladder order)", "", head]
+        lines += [_row(r.strategy.label(), r.memory, r.reason) for r in plan.rejected]
+        lines.append("")
+    if plan.suggestion is not None:
+        lines += [f"Would fit: **{plan.suggestion.strategy.label()}** "
+                  f"({_gb(plan.suggestion.memory.total)} GB/GPU).", ""]
+    if plan.notes or plan.memory.notes:
+        lines += ["## Notes", ""]
+        lines += [f"- {n}" for n in (*plan.notes, *plan.memory.notes)]
+        lines.append("")
+    if plan.strategy.engine == "deepspeed" and (d.tp > 1 or d.pp > 1):
+        lines += ["## DeepSpeed keys (seed guide → what the engine reads)", ""]
+        lines += [f"- `{k}` → {v}" for k, v in SEED_KEY_MAPPING.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def sbatch_preview(plan: Plan, *, job_name: str = "zerosnake-train",
+                   partition: str | None = None, account: str | None = None,
+                   time_limit: str = "24:00:00", command: str = "python -m pipeline.train",
+                   extra_args: list[str] | None = None) -> str:
+    """The ``#SBATCH`` header and ``srun torchrun`` line the plan implies (for review only;
+    submission goes through submitit)."""
+    d, c = plan.dims, plan.cluster
+    header = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={shlex.quote(job_name)}",
+        f"#SBATCH --nodes={d.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={d.gpus_per_node}",
+        f"#SBATCH --mem={int(c.host_mem_gb)}G",
+        f"#SBATCH --time={time_limit}",
+    ]
+    if partition:
+        header.append(f"#SBATCH --partition={shlex.quote(partition)}")
+    if account:
+        header.append(f"#SBATCH --account={shlex.quote(account)}")
+    args = " ".join(shlex.quote(a) for a in (extra_args or []))
+    launch = (f"srun torchrun --nnodes={d.nodes} --nproc-per-node={d.gpus_per_node} "
+              f"--rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:29500\" "
+              f"-m {command.removeprefix('python -m ')}" + (f" {args}" if args else ""))
+    return "\n".join([*header, "", 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+                      "| head -n 1)", "export MASTER_ADDR", launch, ""])

@@ -1,0 +1,219 @@
+"""Typed inputs of the planner: the cluster, the batch/precision settings, the strategy.
+
+Every field names the config key it comes from (:data:`KEYS`), so that an error found here can
+tell the user exactly what to change in ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.errors import PipelineError
+
+#: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config.py``).
+KEYS: dict[str, str] = {
+    "nodes": "cluster.nodes",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "gpu_mem_gb": "cluster.gpu_mem_gb",
+    "host_mem_gb": "cluster.host_mem_gb",
+    "world_size": "cluster.world_size",
+    "seq_len": "data.seq_len",
+    "micro_batch_size": "train.micro_batch_size",
+    "grad_accum": "train.grad_accum",
+    "global_batch_size": "train.global_batch_size",
+    "precision": "train.precision",
+    "activation_checkpointing": "train.activation_checkpointing",
+    "engine": "train.backend",
+    "zero_stage": "train.zero_stage",
+    "fsdp_sharding": "train.fsdp_sharding",
+    "offload_optimizer": "train.offload_optimizer",
+    "offload_params": "train.offload_params",
+    "tp": "train.tp",
+    "pp": "train.pp",
+    "deepspeed": "train.deepspeed",
+}
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Engine = Literal["deepspeed", "fsdp"]
+FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+FSDP_SHARDINGS: tuple[str, ...] = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+
+GB = 1_000_000_000
+"""Bytes per GB. Decimal, as the ZeRO paper (120 GB = 16 × 7.5e9) and GPU marketing use it."""
+
+
+def _positive_int(key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipelineError(f"{KEYS[key]}: must be a positive integer, got {value!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    """The machines a job gets."""
+
+    nodes: int = 1
+    """Number of nodes (``sbatch --nodes``)."""
+
+    gpus_per_node: int = 8
+    """GPUs (ranks) per node (``--gpus-per-node``, ``--ntasks-per-node``)."""
+
+    gpu_mem_gb: float = 80.0
+    """Memory of one GPU in GB (1e9 bytes)."""
+
+    host_mem_gb: float = 512.0
+    """Host RAM of one node in GB usable by the job (``--mem``)."""
+
+    gpu_reserved_gb: float = 2.0
+    """Per-GPU memory never available to tensors: CUDA context, NCCL, allocator fragmentation."""
+
+    world_size: int | None = None
+    """The world size the launcher will really start, when known (e.g. ``SLURM_NTASKS``)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("nodes", self.nodes)
+        _positive_int("gpus_per_node", self.gpus_per_node)
+        if not self.gpu_mem_gb > 0:
+            raise PipelineError(f"{KEYS['gpu_mem_gb']}: must be > 0, got {self.gpu_mem_gb!r}")
+        if not self.host_mem_gb > 0:
+            raise PipelineError(f"{KEYS['host_mem_gb']}: must be > 0, got {self.host_mem_gb!r}")
+        if not 0 <= self.gpu_reserved_gb < self.gpu_mem_gb:
+            raise PipelineError(
+                f"cluster.gpu_reserved_gb: must be in [0, gpu_mem_gb), got {self.gpu_reserved_gb!r}")
+        if self.world_size is not None:
+            _positive_int("world_size", self.world_size)
+
+    @property
+    def world(self) -> int:
+        """Ranks in the job: nodes × GPUs per node."""
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatchSpec:
+    """Per-step training settings that drive memory: batch arithmetic, sequence, precision."""
+
+    seq_len: int = 4096
+    """Tokens per sequence ``s``."""
+
+    micro_batch_size: int = 1
+    """Sequences per GPU per forward/backward ``b``."""
+
+    grad_accum: int | None = None
+    """Micro batches accumulated per optimizer step; ``None``: derived from ``global_batch_size``."""
+
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks; ``None``: derived."""
+
+    precision: Precision = "bf16"
+    """Parameter/activation dtype in compute: ``bf16``/``fp16`` (mixed precision) or ``fp32``."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (keeps only its input, Korthikanti et al. §4)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("seq_len", self.seq_len)
+        _positive_int("micro_batch_size", self.micro_batch_size)
+        if self.grad_accum is not None:
+            _positive_int("grad_accum", self.grad_accum)
+        if self.global_batch_size is not None:
+            _positive_int("global_batch_size", self.global_batch_size)
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise PipelineError(
+                f"{KEYS['precision']}: {self.precision!r} is not one of bf16, fp16, fp32")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one compute-dtype element (params, grads, activations in compute)."""
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(kw_only=True, frozen=True)
+class Strategy:
+    """How the model is spread over the GPUs. ``None`` fields are chosen by the ``auto`` ladder."""
+
+    engine: Engine = "deepspeed"
+    """Training backend: ``deepspeed`` (ZeRO stages) or ``fsdp`` (FSDP2 ``fully_shard``)."""
+
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage 0–3 (0 = plain data parallel); ``None`` = auto."""
+
+    fsdp_sharding: FsdpSharding | None = None
+    """FSDP sharding strategy; ``None`` = auto."""
+
+    offload_optimizer: bool | None = None
+    """Keep fp32 master weights and Adam moments in host RAM and step on the CPU; ``None`` = auto."""
+
+    offload_params: bool | None = None
+    """Keep parameters in host RAM between uses (ZeRO-3 / FSDP only); ``None`` = auto."""
+
+    tp: int | None = None
+    """Tensor-parallel degree (inside a node); ``None`` = auto."""
+
+    pp: int | None = None
+    """Pipeline-parallel degree (across nodes); ``None`` = auto."""
+
+    reduce_bucket_size: int = 200_000_000
+    """Elements per gradient reduce bucket (DeepSpeed ``reduce_bucket_size``)."""
+
+    allgather_bucket_size: int = 200_000_000
+    """Elements per parameter all-gather bucket (ZeRO-1/2) / prefetch bucket (ZeRO-3)."""
+
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward; costs 4.5 × the bucket sizes (see memory.py)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("deepspeed", "fsdp"):
+            raise PipelineError(f"{KEYS['engine']}: {self.engine!r} is not one of deepspeed, fsdp")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise PipelineError(
+                f"{KEYS['zero_stage']}: ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.fsdp_sharding is not None and self.fsdp_sharding not in FSDP_SHARDINGS:
+            raise PipelineError(f"{KEYS['fsdp_sharding']}: {self.fsdp_sharding!r} is not one of "
+                                f"{', '.join(FSDP_SHARDINGS)}")
+        if self.engine == "fsdp" and self.zero_stage is not None:
+            raise PipelineError(f"{KEYS['zero_stage']}: set only with train.backend=deepspeed; "
+                                f"for fsdp use {KEYS['fsdp_sharding']}")
+        if self.engine == "deepspeed" and self.fsdp_sharding is not None:
+            raise PipelineError(f"{KEYS['fsdp_sharding']}: set only with train.backend=fsdp; "
+                                f"for deepspeed use {KEYS['zero_stage']}")
+        for key in ("tp", "pp"):
+            value = getattr(self, key)
+            if value is not None:
+                _positive_int(key, value)
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise PipelineError(f"train.{key}: must be a positive integer, got {value!r}")
+
+    @property
+    def is_resolved(self) -> bool:
+        """Every choice made (no ``None`` left): a rung of the ladder, not a request."""
+        sharding = self.zero_stage if self.engine == "deepspeed" else self.fsdp_sharding
+        return None not in (sharding, self.offload_optimizer, self.offload_params, self.tp, self.pp)
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters partitioned over data-parallel ranks (ZeRO-3, FULL/HYBRID_SHARD)."""
+        if self.engine == "deepspeed":
+            return self.zero_stage == 3
+        return self.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
+
+    def label(self) -> str:
+        """Short human name of a resolved strategy, e.g. ``ZeRO-2 + optimizer offload``."""
+        if self.engine == "deepspeed":
+            base = "DP (ZeRO-0)" if self.zero_stage == 0 else f"ZeRO-{self.zero_stage}"
+        else:
+            base = f"FSDP {self.fsdp_sharding}"
+        parts = [base]
+        if self.offload_optimizer and self.offload_params:
+            parts.append("optimizer + param offload")
+        elif self.offload_optimizer:
+            parts.append("optimizer offload")
+        elif self.offload_params:
+            parts.append("param offload")
+        if (self.tp or 1) > 1:
+            parts.append(f"TP={self.tp}")
+        if (self.pp or 1) > 1:
+            parts.append(f"PP={self.pp}")
+        return " + ".join(parts)

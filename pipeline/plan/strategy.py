@@ -1,0 +1,370 @@
+"""The ``auto`` ladder: the least-communication configuration that fits, with every rejection.
+
+Ladder (issue 4; ZeRO paper §5, ZeRO-Offload, Megatron-LM): plain data parallel → ZeRO-1 →
+ZeRO-2 / FSDP SHARD_GRAD_OP → ZeRO-3 / FULL_SHARD → + optimizer offload → + parameter offload
+→ tensor parallelism inside a node → pipeline parallelism across nodes. Each step trades more
+communication (or PCIe traffic, or pipeline bubbles) for memory, so the first rung that fits is
+the cheapest one that fits. Fields the user fixed in the requested :class:`Strategy` filter the
+ladder; when nothing is left the request itself is the only rung.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.plan.memory import ACCOUNTINGS, Accounting, MemoryBreakdown, estimate_memory
+from pipeline.plan.presets import ModelShape
+from pipeline.plan.spec import GB, BatchSpec, Cluster, Strategy
+from pipeline.plan.topology import ParallelDims, resolve_grad_accum
+
+
+@dataclass(kw_only=True, frozen=True)
+class Rung:
+    """One candidate configuration, its memory and whether it fits."""
+
+    strategy: Strategy
+    """The resolved strategy (no ``None`` left)."""
+
+    dims: ParallelDims
+    """The layout it implies (DP = world / (TP × PP), accumulation resolved for that DP)."""
+
+    memory: MemoryBreakdown
+    """Per-GPU bytes and host bytes per node."""
+
+    fits: bool
+    """Whether GPU total and host RAM are within budget (after headroom)."""
+
+    reason: str
+    """Why it was rejected, or ``fits``."""
+
+    comm_bytes: int
+    """Rough bytes each GPU sends per optimizer step (network + PCIe), for the report."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {"strategy": self.strategy.label(), "fits": self.fits, "reason": self.reason,
+                "tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                "comm_bytes_per_gpu_per_step": self.comm_bytes,
+                "memory": self.memory.as_dict()}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Plan:
+    """The planner's answer: chosen strategy, its memory, every rejected rung."""
+
+    model: ModelShape
+    """The model planned for."""
+
+    cluster: Cluster
+    """The machines."""
+
+    batch: BatchSpec
+    """Batch, sequence and precision settings as requested."""
+
+    request: Strategy
+    """What the user asked for (``None`` = auto)."""
+
+    accounting: str
+    """``paper`` or ``deepspeed``."""
+
+    headroom: float
+    """Fraction of GPU and host memory kept free."""
+
+    chosen: Rung
+    """The selected rung (the first that fits; the requested/closest one when none fits)."""
+
+    rejected: tuple[Rung, ...] = ()
+    """Rungs tried before ``chosen`` and why each was rejected."""
+
+    suggestion: Rung | None = None
+    """When ``chosen`` does not fit: the first rung of the unconstrained ladder that does."""
+
+    notes: tuple[str, ...] = field(default=())
+    """Warnings and explanations for plan.md."""
+
+    @property
+    def strategy(self) -> Strategy:
+        """The chosen resolved strategy."""
+        return self.chosen.strategy
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The chosen layout."""
+        return self.chosen.dims
+
+    @property
+    def memory(self) -> MemoryBreakdown:
+        """The chosen rung's memory."""
+        return self.chosen.memory
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen rung fits."""
+        return self.chosen.fits
+
+    @property
+    def gpu_budget(self) -> int:
+        """Bytes per GPU available to the job after the reserve and the headroom."""
+        return gpu_budget(self.cluster, self.headroom)
+
+    @property
+    def host_budget(self) -> int:
+        """Host bytes per node available after the headroom."""
+        return host_budget(self.cluster, self.headroom)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``--json`` output: per-GPU bytes, host bytes per node, the chosen strategy."""
+        mem = self.memory
+        return {
+            "model": self.model.name,
+            "num_params": self.model.num_params(),
+            "accounting": self.accounting,
+            "strategy": self.strategy.label(),
+            "engine": self.strategy.engine,
+            "zero_stage": self.strategy.zero_stage,
+            "fsdp_sharding": self.strategy.fsdp_sharding,
+            "offload_optimizer": self.strategy.offload_optimizer,
+            "offload_params": self.strategy.offload_params,
+            "fits": self.fits,
+            "topology": {"nodes": self.dims.nodes, "gpus_per_node": self.dims.gpus_per_node,
+                         "world_size": self.dims.world, "tp": self.dims.tp, "pp": self.dims.pp,
+                         "dp": self.dims.dp, "micro_batch_size": self.dims.micro_batch_size,
+                         "grad_accum": self.dims.grad_accum,
+                         "global_batch_size": self.dims.global_batch_size},
+            "per_gpu_bytes": {"params": mem.params, "grads": mem.grads,
+                              "optimizer": mem.optimizer, "activations": mem.activations,
+                              "buffers": mem.buffers, "total": mem.total},
+            "gpu_budget_bytes": self.gpu_budget,
+            "host_bytes_per_node": mem.host_per_node,
+            "host_offload_bytes_per_node": mem.host_offload_per_node,
+            "host_budget_bytes": self.host_budget,
+            "rejected": [r.as_dict() for r in self.rejected],
+            "suggestion": self.suggestion.strategy.label() if self.suggestion else None,
+            "notes": list(self.notes),
+        }
+
+
+def gpu_budget(cluster: Cluster, headroom: float) -> int:
+    """(GPU memory − reserve) × (1 − headroom), bytes."""
+    return int((cluster.gpu_mem_gb - cluster.gpu_reserved_gb) * GB * (1 - headroom))
+
+
+def host_budget(cluster: Cluster, headroom: float) -> int:
+    """Host RAM per node × (1 − headroom), bytes."""
+    return int(cluster.host_mem_gb * GB * (1 - headroom))
+
+
+# -- the ladder --------------------------------------------------------------------------------------
+def _tp_candidates(model: ModelShape, cluster: Cluster) -> list[int]:
+    # TP inside a node only, dividing both head counts (whole heads per rank).
+    return [t for t in (2, 4, 8, 16) if t <= cluster.gpus_per_node
+            and cluster.gpus_per_node % t == 0 and model.num_heads % t == 0
+            and model.num_kv_heads % t == 0]
+
+
+def _pp_candidates(model: ModelShape, cluster: Cluster) -> list[int]:
+    # PP across nodes: whole nodes per stage, stages dividing the layers.
+    return [p for p in range(2, cluster.nodes + 1)
+            if cluster.nodes % p == 0 and model.num_layers % p == 0]
+
+
+def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed") -> list[Strategy]:
+    """The full ordered ladder for one engine (before filtering by the request)."""
+    out: list[Strategy] = []
+    if engine == "deepspeed":
+        def ds(stage: int, oo: bool = False, op: bool = False, tp: int = 1,
+               pp: int = 1) -> Strategy:
+            return Strategy(engine="deepspeed", zero_stage=stage, offload_optimizer=oo,
+                            offload_params=op, tp=tp, pp=pp)
+        out += [ds(0), ds(1), ds(2), ds(3), ds(3, True), ds(3, True, True)]
+        # AutoTP is verified with ZeRO-1 and -2 only (../shared/notes/cpu-engines.md).
+        out += [ds(stage, tp=t) for t in _tp_candidates(model, cluster) for stage in (1, 2)]
+        # DeepSpeed's PipelineEngine supports ZeRO ≤ 1.
+        out += [ds(1, tp=t, pp=p) for p in _pp_candidates(model, cluster)
+                for t in [1, *_tp_candidates(model, cluster)]]
+        # Off the unconstrained ladder (ZeRO-3 variants always fit when these do) but reachable
+        # when the user pins the stage: ZeRO-Offload on stages 1 and 2.
+        out += [ds(1, True), ds(2, True)]
+    else:
+        def fs(sharding: str, off: bool = False, tp: int = 1, pp: int = 1) -> Strategy:
+            return Strategy(engine="fsdp", fsdp_sharding=sharding,  # type: ignore[arg-type]
+                            offload_optimizer=off, offload_params=off, tp=tp, pp=pp)
+        out += [fs("NO_SHARD"), fs("SHARD_GRAD_OP")]
+        if cluster.nodes > 1:
+            out.append(fs("HYBRID_SHARD"))  # less inter-node traffic than FULL_SHARD
+        # FSDP2's CPUOffloadPolicy moves params, grads and optimizer together: one rung.
+        out += [fs("FULL_SHARD"), fs("FULL_SHARD", True)]
+        out += [fs("FULL_SHARD", tp=t) for t in _tp_candidates(model, cluster)]
+        out += [fs("FULL_SHARD", tp=t, pp=p) for p in _pp_candidates(model, cluster)
+                for t in [1, *_tp_candidates(model, cluster)]]
+    return out
+
+
+_UNCONSTRAINED_EXTRA = 2  # trailing off-ladder deepspeed rungs skipped when nothing is pinned
+
+
+def _matches(candidate: Strategy, request: Strategy) -> bool:
+    for name in ("zero_stage", "fsdp_sharding", "offload_optimizer", "offload_params", "tp",
+                 "pp"):
+        wanted = getattr(request, name)
+        if wanted is not None and getattr(candidate, name) != wanted:
+            return False
+    return True
+
+
+def _fill(request: Strategy) -> Strategy:
+    """The request with every ``None`` replaced by the cheapest default."""
+    defaults: dict[str, Any] = {"offload_optimizer": False, "offload_params": False, "tp": 1,
+                                "pp": 1}
+    if request.engine == "deepspeed":
+        defaults["zero_stage"] = 1
+    else:
+        defaults["fsdp_sharding"] = "FULL_SHARD"
+    return replace(request, **{k: v for k, v in defaults.items()
+                               if getattr(request, k) is None})
+
+
+def _comm_bytes(strategy: Strategy, dims: ParallelDims, model: ModelShape, batch: BatchSpec,
+                psi_local: int) -> int:
+    """Bytes a GPU moves per optimizer step (ring collectives ≈ 1× the buffer each way).
+
+    All-reduce = reduce-scatter + all-gather = 2Ψ; ZeRO-2 reduce-scatters every micro batch;
+    ZeRO-3 / FULL_SHARD all-gather in forward and backward (3Ψ per micro batch, ZeRO §7);
+    offload adds the PCIe round trip of gradients and parameters; TP all-reduces 4 activations
+    per layer per micro batch (Megatron-LM: 2 forward + 2 backward); PP sends one activation per
+    stage boundary each way.
+    """
+    pb = batch.param_bytes
+    gas = dims.grad_accum
+    if strategy.engine == "deepspeed":
+        per = {0: 2 * psi_local, 1: 2 * psi_local, 2: psi_local * (gas + 1),
+               3: 3 * psi_local * gas}[strategy.zero_stage or 0]
+    else:
+        per = {"NO_SHARD": 2 * psi_local, "SHARD_GRAD_OP": psi_local * (gas + 1)}.get(
+            strategy.fsdp_sharding or "", 3 * psi_local * gas)
+    total = pb * per
+    if strategy.offload_optimizer:
+        total += 2 * pb * psi_local // max(1, dims.dp)
+    if strategy.offload_params:
+        total += 2 * pb * psi_local * gas // max(1, dims.dp)
+    sbh = batch.seq_len * batch.micro_batch_size * model.hidden_size
+    if dims.tp > 1:
+        total += int(4 * pb * sbh * model.num_layers / dims.pp * 2 * (dims.tp - 1) / dims.tp
+                     * gas)
+    if dims.pp > 1:
+        total += 2 * pb * sbh * gas
+    return int(total)
+
+
+def evaluate_rung(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
+                  strategy: Strategy, accounting: Accounting = "deepspeed",
+                  headroom: float = 0.10, fused_attention: bool = True) -> Rung:
+    """Memory and fit of one resolved strategy."""
+    from pipeline.plan.memory import local_params
+
+    tp, pp = strategy.tp or 1, strategy.pp or 1
+    dp = max(1, cluster.world // (tp * pp))
+    accum = resolve_grad_accum(micro_batch_size=batch.micro_batch_size, dp=dp,
+                               grad_accum=batch.grad_accum,
+                               global_batch_size=batch.global_batch_size)
+    dims = ParallelDims(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, tp=tp, pp=pp,
+                        micro_batch_size=batch.micro_batch_size, grad_accum=accum)
+    mem = estimate_memory(model=model, dims=dims, strategy=strategy, batch=batch,
+                          accounting=accounting, fused_attention=fused_attention)
+    budget, hbudget = gpu_budget(cluster, headroom), host_budget(cluster, headroom)
+    reasons = []
+    if mem.total > budget:
+        reasons.append(
+            f"needs {mem.total / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB "
+            f"(short by {(mem.total - budget) / GB:.1f} GB: params {mem.params / GB:.1f}, "
+            f"grads {mem.grads / GB:.1f}, optimizer {mem.optimizer / GB:.1f}, activations "
+            f"{mem.activations / GB:.1f}, buffers {mem.buffers / GB:.1f})")
+    if mem.host_per_node > hbudget:
+        reasons.append(f"needs {mem.host_per_node / GB:.1f} GB host RAM/node > budget "
+                       f"{hbudget / GB:.1f} GB (short by "
+                       f"{(mem.host_per_node - hbudget) / GB:.1f} GB)")
+    comm = _comm_bytes(strategy, dims, model, batch, local_params(model, tp=tp, pp=pp))
+    return Rung(strategy=strategy, dims=dims, memory=mem, fits=not reasons,
+                reason="; ".join(reasons) or "fits", comm_bytes=comm)
+
+
+def plan(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
+         strategy: Strategy | None = None, accounting: Accounting = "deepspeed",
+         headroom: float = 0.10, fused_attention: bool = True) -> Plan:
+    """Choose a strategy (pure; no GPU, no process group).
+
+    ``strategy`` fields left ``None`` are chosen by the ladder; fixed ones filter it. The result
+    always has a ``chosen`` rung; ``Plan.fits`` says whether it fits, and ``Plan.suggestion``
+    names the first unconstrained rung that would.
+    """
+    request = strategy or Strategy()
+    if accounting not in ACCOUNTINGS:
+        raise PipelineError(f"--accounting: {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
+    if not 0 <= headroom < 1:
+        raise PipelineError(f"headroom: must be in [0, 1), got {headroom!r}")
+    full = ladder(model, cluster, request.engine)
+    unconstrained = full[:-_UNCONSTRAINED_EXTRA] if request.engine == "deepspeed" else full
+    pinned = any(getattr(request, k) is not None for k in (
+        "zero_stage", "fsdp_sharding", "offload_optimizer", "offload_params", "tp", "pp"))
+    candidates = [s for s in (full if pinned else unconstrained) if _matches(s, request)]
+    if not candidates:
+        candidates = [_fill(request)]
+
+    def rung(s: Strategy) -> Rung:
+        return evaluate_rung(model=model, cluster=cluster, batch=batch, strategy=s,
+                             accounting=accounting, headroom=headroom,
+                             fused_attention=fused_attention)
+
+    tried: list[Rung] = []
+    chosen: Rung | None = None
+    for cand in candidates:
+        r = rung(cand)
+        if r.fits:
+            chosen = r
+            break
+        tried.append(r)
+    suggestion = None
+    notes: list[str] = []
+    if chosen is None:
+        # Nothing fits: report the last (most memory-frugal) rung of the request, and find the
+        # first rung that would fit without the user's constraints.
+        chosen = tried.pop() if len(tried) > 0 else rung(candidates[-1])
+        for cand in unconstrained:
+            if cand == chosen.strategy:
+                continue
+            r = rung(cand)
+            if r.fits:
+                suggestion = r
+                break
+        notes.append("no configuration within the request fits; " + (
+            f"'{suggestion.strategy.label()}' would" if suggestion else
+            "none of the ladder's rungs fits either: more GPUs, a shorter sequence or a "
+            "smaller micro batch are needed"))
+    notes.extend(_explanations(model, batch, chosen, accounting))
+    return Plan(model=model, cluster=cluster, batch=batch, request=request,
+                accounting=accounting, headroom=headroom, chosen=chosen,
+                rejected=tuple(tried), suggestion=suggestion, notes=tuple(notes))
+
+
+def _explanations(model: ModelShape, batch: BatchSpec, chosen: Rung,
+                  accounting: str) -> list[str]:
+    n = model.num_params()
+    out = []
+    if batch.precision != "fp32":
+        out.append(
+            f"mixed-precision Adam on one replica: {16 * n / GB:.0f} GB (ZeRO paper, 2+2+12 "
+            f"bytes/param) or {20 * n / GB:.0f} GB (DeepSpeed, 2+18 incl. an fp32 gradient copy) "
+            f"of model states before activations; a figure of ~10 bytes/param (e.g. 70 GB for "
+            f"7B) forgets the fp32 master weights and Adam's two moments")
+    if model.num_params_override is not None:
+        out.append(f"model given by parameter count only: activations use a synthetic "
+                   f"Llama-like shape ({model.num_layers} layers, hidden {model.hidden_size})")
+    if chosen.dims.tp > 1 and chosen.strategy.engine == "deepspeed" and chosen.dims.pp == 1:
+        out.append(f"DeepSpeed AutoTP: train_batch_size counts TP ranks "
+                   f"({chosen.dims.deepspeed_train_batch_size} = micro × accum × world "
+                   f"{chosen.dims.world}) although {chosen.dims.global_batch_size} distinct "
+                   f"sequences are consumed per step; ranks of one TP group must read the same "
+                   f"data")
+    return out

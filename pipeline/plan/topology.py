@@ -1,0 +1,174 @@
+"""Parallel layout and batch arithmetic as one pure class (no process group needed).
+
+Rank order is TP fastest, then DP, then PP (Megatron-LM / torchtitan convention): a TP group is
+``tp`` consecutive ranks, so it stays inside one node when ``tp`` divides ``gpus_per_node``;
+pipeline stages are the slowest dimension, so with ``pp`` dividing ``nodes`` each stage owns
+whole nodes and only point-to-point activations cross the slower inter-node links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.plan.spec import KEYS
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelDims:
+    """World = TP × PP × DP, plus micro batch × accumulation × DP = global batch."""
+
+    nodes: int
+    """Nodes in the job."""
+
+    gpus_per_node: int
+    """Ranks per node."""
+
+    tp: int = 1
+    """Tensor-parallel degree (ranks of one TP group share the same data)."""
+
+    pp: int = 1
+    """Pipeline stages."""
+
+    micro_batch_size: int = 1
+    """Sequences per rank per forward/backward."""
+
+    grad_accum: int = 1
+    """Micro batches per optimizer step (DeepSpeed ``gradient_accumulation_steps``)."""
+
+    def __post_init__(self) -> None:
+        for name, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"), ("tp", "tp"),
+                          ("pp", "pp"), ("micro_batch_size", "micro_batch_size"),
+                          ("grad_accum", "grad_accum")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PipelineError(f"{KEYS[key]}: must be a positive integer, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        """All ranks: nodes × GPUs per node."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree world / (TP × PP); only meaningful when :meth:`problems` is empty."""
+        return max(1, self.world // (self.tp * self.pp))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: micro × accumulation × DP (TP ranks share data)."""
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    @property
+    def deepspeed_batch_world(self) -> int:
+        """The world size DeepSpeed's batch assertion multiplies by.
+
+        DeepSpeed 0.19 checks ``train_batch_size == micro * gas * world_size`` where, without an
+        ``mpu``, ``world_size`` is *all* ranks, TP ranks included (AutoTP passes no mpu; seen in
+        ../shared/notes/cpu-engines.md). With a pipeline, ``PipelineModule``'s grid is passed as
+        ``mpu`` and ``world_size`` becomes its data-parallel size.
+        """
+        return self.dp if self.pp > 1 else self.world
+
+    @property
+    def deepspeed_train_batch_size(self) -> int:
+        """``train_batch_size`` that DeepSpeed's assertion accepts (≠ samples/step when TP > 1)."""
+        return self.micro_batch_size * self.grad_accum * self.deepspeed_batch_world
+
+    def problems(self, *, num_layers: int | None = None, num_heads: int | None = None,
+                 num_kv_heads: int | None = None) -> list[PipelineError]:
+        """Every layout error at once, each naming its key and a fix."""
+        out: list[PipelineError] = []
+        if self.tp > self.gpus_per_node:
+            out.append(PipelineError(
+                f"{KEYS['tp']}: TP={self.tp} exceeds {KEYS['gpus_per_node']}={self.gpus_per_node}; "
+                f"tensor parallelism needs NVLink-class bandwidth and must stay inside a node — "
+                f"use tp ≤ {self.gpus_per_node} and add pipeline stages ({KEYS['pp']}) instead"))
+        elif self.gpus_per_node % self.tp:
+            out.append(PipelineError(
+                f"{KEYS['tp']}: TP={self.tp} does not divide {KEYS['gpus_per_node']}="
+                f"{self.gpus_per_node}, so a TP group would span two nodes; use a divisor of "
+                f"{self.gpus_per_node}"))
+        for what, count in (("attention heads", num_heads), ("KV heads", num_kv_heads)):
+            if count is not None and count % self.tp:
+                divisors = [d for d in range(1, count + 1) if count % d == 0
+                            and d <= self.gpus_per_node]
+                out.append(PipelineError(
+                    f"{KEYS['tp']}: TP={self.tp} does not divide the model's {count} {what} "
+                    f"(each TP rank must own whole heads); use one of {divisors}"))
+        if num_layers is not None and num_layers % self.pp:
+            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+            out.append(PipelineError(
+                f"{KEYS['pp']}: PP={self.pp} does not divide the model's {num_layers} layers "
+                f"(stages would be unbalanced); use one of {divisors}"))
+        if self.world % (self.tp * self.pp):
+            out.append(PipelineError(
+                f"{KEYS['tp']} × {KEYS['pp']}: TP×PP={self.tp * self.pp} does not divide the "
+                f"world size {self.world} (= {KEYS['nodes']} × {KEYS['gpus_per_node']}); "
+                f"TP × PP × DP must equal the world size"))
+        elif self.pp > 1 and self.nodes > 1 and self.nodes % self.pp and self.pp % self.nodes:
+            out.append(PipelineError(
+                f"{KEYS['pp']}: PP={self.pp} neither divides nor is a multiple of "
+                f"{KEYS['nodes']}={self.nodes}; stages would straddle nodes unevenly"))
+        return out
+
+    def validate(self, **model: int | None) -> None:
+        """Raise the first of :meth:`problems` (all of them, joined)."""
+        errors = self.problems(**model)
+        if errors:
+            raise PipelineError("\n".join(str(e) for e in errors))
+
+
+def batch_problems(*, dims: ParallelDims, global_batch_size: int | None) -> list[PipelineError]:
+    """Global batch ≠ micro × accumulation × DP, with the nearest values that would work."""
+    if global_batch_size is None or global_batch_size == dims.global_batch_size:
+        return []
+    per_step = dims.micro_batch_size * dims.dp
+    lower = max(per_step, global_batch_size // per_step * per_step)
+    upper = lower + per_step if lower < global_batch_size else lower
+    accum_hint = (f"set {KEYS['grad_accum']}={global_batch_size // per_step}"
+                  if global_batch_size % per_step == 0 else
+                  f"set {KEYS['global_batch_size']} to a multiple of {per_step} "
+                  f"(e.g. {lower} or {upper})")
+    return [PipelineError(
+        f"{KEYS['global_batch_size']}: {global_batch_size} ≠ {KEYS['micro_batch_size']} "
+        f"({dims.micro_batch_size}) × {KEYS['grad_accum']} ({dims.grad_accum}) × data-parallel "
+        f"degree ({dims.dp} = world {dims.world} / (TP {dims.tp} × PP {dims.pp})) = "
+        f"{dims.global_batch_size}; {accum_hint}, or drop one of the two keys")]
+
+
+def resolve_grad_accum(*, micro_batch_size: int, dp: int, grad_accum: int | None,
+                       global_batch_size: int | None) -> int:
+    """Accumulation steps from whichever of ``grad_accum`` / ``global_batch_size`` is given.
+
+    When both are given ``grad_accum`` wins here and :func:`batch_problems` reports a mismatch.
+    When only the global batch is given and it does not divide, the floor is used (≥ 1) and the
+    mismatch is again reported by :func:`batch_problems`.
+    """
+    if grad_accum is not None:
+        return grad_accum
+    if global_batch_size is not None:
+        return max(1, global_batch_size // (micro_batch_size * dp))
+    return 1
+
+
+def render_topology(dims: ParallelDims, *, seq_len: int) -> dict[str, Any]:
+    """``topology.json``: the layout and the batch arithmetic, for humans and the train stage."""
+    return {
+        "nodes": dims.nodes,
+        "gpus_per_node": dims.gpus_per_node,
+        "world_size": dims.world,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "rank_order": "tp fastest, then dp, then pp (a TP group = consecutive ranks in one node)",
+        "micro_batch_size": dims.micro_batch_size,
+        "grad_accum": dims.grad_accum,
+        "global_batch_size": dims.global_batch_size,
+        "seq_len": seq_len,
+        "tokens_per_step": dims.global_batch_size * seq_len,
+        "batch_formula": (f"global {dims.global_batch_size} = micro {dims.micro_batch_size} × "
+                          f"accum {dims.grad_accum} × dp {dims.dp}"),
+        "deepspeed_train_batch_size": dims.deepspeed_train_batch_size,
+    }
