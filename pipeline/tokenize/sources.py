@@ -254,9 +254,11 @@ class BigDoc:
             return False, h.digest(), n, nonblank
         return True, h.digest(), n, nonblank
 
-    def pieces(self, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
-        """The text in pieces of about ``piece_chars`` characters, cut where the pre-tokenizer
-        splits anyway, so encoding the pieces one by one gives the ids of the whole."""
+    def pieces(self, piece_chars: int | None = None) -> Iterator[str]:
+        """The text in pieces of about ``piece_chars`` (default ``PIECE_CHARS``) characters, cut
+        where the pre-tokenizer splits anyway, so encoding the pieces one by one gives the ids
+        of the whole."""
+        piece_chars = piece_chars or PIECE_CHARS
         dec = codecs.getincrementaldecoder("utf-8")("strict")
         carry = ""
         for c in self.chunks():

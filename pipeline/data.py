@@ -1,0 +1,312 @@
+"""Training data loader: memory-mapped packed shards, a resumable seeded global stream.
+
+* :class:`PackedDataset` reads ``manifest.json`` and memory-maps the Arrow shards of one split;
+  each shard's sha256 is checked against the manifest when the shard is first opened (lazily, so
+  a run over hundreds of shards does not hash them all before step one), and a tampered or
+  truncated shard is a :class:`~pipeline.errors.PipelineError` naming the file.
+* :class:`BatchLoader` defines ONE global stream of sequence indices: epoch ``e`` is the
+  permutation ``default_rng([seed, e]).permutation(N)``; epochs follow each other forever. Each
+  micro step consumes the next ``micro_batch_size * dp_size`` stream entries and rank ``r`` takes
+  the ``r``-th slice of ``micro_batch_size``. The state is just the cursor into the stream, so a
+  run resumed with another data-parallel degree continues exactly where the saved one stopped:
+  nothing repeated, nothing skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+STATE_VERSION = 1
+
+
+def _sha256(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+class _Shard:
+    """One memory-mapped shard: row views per Arrow record batch (zero copy)."""
+
+    def __init__(self, path: Path, entry: dict, seq_len: int, verify: bool) -> None:
+        import pyarrow as pa
+
+        self.path = path
+        if not path.is_file():
+            raise PipelineError(f"shard {path} is missing: rerun the tokenize stage")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise PipelineError(
+                f"shard {path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
+                "truncated or was replaced; rerun the tokenize stage for it"
+            )
+        if verify and _sha256(path) != entry["sha256"]:
+            raise PipelineError(
+                f"shard {path} does not match its sha256 in the manifest: the file was modified "
+                "or corrupted; rerun the tokenize stage for it"
+            )
+        try:
+            self._mmap = pa.memory_map(str(path), "r")
+            table = pa.ipc.open_stream(self._mmap).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise PipelineError(f"shard {path} is not a readable Arrow stream ({e})") from e
+        col = table.column("input_ids")
+        self.blocks: list[np.ndarray] = []
+        for chunk in col.chunks:
+            # values of a fixed_size_list: one contiguous int32 buffer, viewed (no copy).
+            vals = chunk.values.to_numpy(zero_copy_only=True)
+            self.blocks.append(
+                vals[chunk.offset * seq_len : (chunk.offset + len(chunk)) * seq_len].reshape(
+                    -1, seq_len
+                )
+            )
+        self.starts = np.cumsum([0] + [len(b) for b in self.blocks])
+        if self.starts[-1] != entry["sequences"]:
+            raise PipelineError(
+                f"shard {path} has {self.starts[-1]} sequences, the manifest says "
+                f"{entry['sequences']}: rerun the tokenize stage for it"
+            )
+
+    def rows(self, local: np.ndarray, out: np.ndarray) -> None:
+        """Copy rows ``local`` (shard-local indices) into ``out``."""
+        blk = np.searchsorted(self.starts, local, side="right") - 1
+        if len(self.blocks) == 1:
+            out[:] = self.blocks[0][local]
+            return
+        for b in np.unique(blk):
+            sel = blk == b
+            out[sel] = self.blocks[b][local[sel] - self.starts[b]]
+
+
+class PackedDataset:
+    """The packed sequences of one split of a tokenized data directory.
+
+    ``dataset[i]`` is a read-only ``np.ndarray[int32]`` of length ``seq_len`` (a view of the
+    memory map); :meth:`get_rows` gathers many rows at once (what the loader uses).
+    """
+
+    def __init__(
+        self, data_dir: str | os.PathLike[str], split: str = "train", verify: bool = True
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        mp = self.data_dir / "manifest.json"
+        if not mp.is_file():
+            raise PipelineError(f"{mp} does not exist: run the tokenize stage (gather) first")
+        try:
+            self.manifest: dict = json.loads(mp.read_text())
+        except json.JSONDecodeError as e:
+            raise PipelineError(f"{mp} is not valid JSON ({e}): rerun the gather step") from e
+        if split not in self.manifest.get("splits", {}):
+            raise PipelineError(
+                f"{mp} has no split {split!r} (has: {', '.join(self.manifest['splits'])})"
+            )
+        self.split = split
+        self.verify = verify
+        self.seq_len: int = int(self.manifest["seq_len"])
+        self.entries: list[dict] = self.manifest["splits"][split]["shards"]
+        self.offsets = np.cumsum([0] + [int(e["sequences"]) for e in self.entries])
+        self._shards: dict[int, _Shard] = {}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of this split's data: hash of its shard checksums (for resume checks)."""
+        h = hashlib.sha256()
+        for e in self.entries:
+            h.update(e["sha256"].encode())
+        return h.hexdigest()[:16]
+
+    def shard(self, k: int) -> _Shard:
+        """Shard ``k``, opened (and verified) on first use."""
+        s = self._shards.get(k)
+        if s is None:
+            e = self.entries[k]
+            s = _Shard(self.data_dir / e["path"], e, self.seq_len, self.verify)
+            self._shards[k] = s
+        return s
+
+    def open_all(self) -> None:
+        """Open and verify every shard now (instead of on first access)."""
+        for k in range(len(self.entries)):
+            self.shard(k)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sequence {i} out of range (0..{n - 1})")
+        k = bisect.bisect_right(self.offsets, i) - 1
+        s = self.shard(k)
+        local = i - int(self.offsets[k])
+        b = bisect.bisect_right(s.starts, local) - 1
+        return s.blocks[b][local - int(s.starts[b])]
+
+    def get_rows(self, indices: np.ndarray | list[int]) -> np.ndarray:
+        """Rows ``indices`` as a new ``int32`` array of shape ``(len(indices), seq_len)``."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(idx), self.seq_len), dtype=np.int32)
+        if len(idx) == 0:
+            return out
+        if idx.min() < 0 or idx.max() >= len(self):
+            raise IndexError(f"sequence index out of range (0..{len(self) - 1})")
+        shard_of = np.searchsorted(self.offsets, idx, side="right") - 1
+        for k in np.unique(shard_of):
+            sel = shard_of == k
+            tmp = np.empty((int(sel.sum()), self.seq_len), dtype=np.int32)
+            self.shard(int(k)).rows(idx[sel] - self.offsets[k], tmp)
+            out[sel] = tmp
+        return out
+
+
+class BatchLoader:
+    """Deterministic, resumable micro batches for one data-parallel rank (see module doc).
+
+    ``next_batch()`` returns ``{"input_ids": LongTensor[micro, seq_len], "indices": [...]}``.
+    ``state_dict()`` is JSON-serialisable and the same on every rank; restore it with any
+    ``dp_size``/``dp_rank``.
+    """
+
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise PipelineError(f"micro_batch_size {micro_batch_size} must be at least 1")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise PipelineError(
+                f"dp_rank {dp_rank} must be in 0..{dp_size - 1} (dp_size {dp_size})"
+            )
+        if len(dataset) == 0:
+            raise PipelineError(f"the {dataset.split} split of {dataset.data_dir} has no sequences")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.cursor = 0  # position in the global stream of the next entry to hand out
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch starts in."""
+        return self.cursor // len(self.dataset)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            n = len(self.dataset)
+            self._perm = (
+                np.random.default_rng([self.seed, epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
+            )
+            self._perm_epoch = epoch
+        assert self._perm is not None
+        return self._perm
+
+    def stream(self, start: int, count: int) -> np.ndarray:
+        """Global stream entries ``[start, start + count)`` (sequence indices)."""
+        n = len(self.dataset)
+        out = np.empty(count, dtype=np.int64)
+        pos, filled = start, 0
+        while filled < count:
+            epoch, off = divmod(pos, n)
+            take = min(count - filled, n - off)
+            out[filled : filled + take] = self._permutation(epoch)[off : off + take]
+            filled += take
+            pos += take
+        return out
+
+    def next_indices(self) -> np.ndarray:
+        """This rank's sequence indices of the next micro step (advances the cursor)."""
+        m = self.micro_batch_size
+        idx = self.stream(self.cursor + self.dp_rank * m, m)
+        self.cursor += m * self.dp_size
+        return idx
+
+    def next_batch(self) -> dict:
+        """This rank's next micro batch."""
+        import torch
+
+        idx = self.next_indices()
+        rows = self.dataset.get_rows(idx)
+        return {"input_ids": torch.from_numpy(rows).long(), "indices": idx.tolist()}
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position in the global stream (identical on all ranks)."""
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "cursor": int(self.cursor),
+            "num_sequences": len(self.dataset),
+            "data_fingerprint": self.dataset.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position; the data and seed must be those of the saved run."""
+        if state.get("version") != STATE_VERSION:
+            raise PipelineError(
+                f"loader state version {state.get('version')} is not {STATE_VERSION}"
+            )
+        if (
+            state["num_sequences"] != len(self.dataset)
+            or state["data_fingerprint"] != self.dataset.fingerprint
+        ):
+            raise PipelineError(
+                f"the saved loader state is for other data ({state['num_sequences']} sequences, "
+                f"fingerprint {state['data_fingerprint']}) than {self.dataset.data_dir} "
+                f"({len(self.dataset)}, {self.dataset.fingerprint}): resume with the same tokenized data"
+            )
+        if state["seed"] != self.seed or state.get("shuffle", True) != self.shuffle:
+            raise PipelineError(
+                f"the saved loader state used seed {state['seed']} (shuffle {state.get('shuffle', True)}); "
+                f"this loader has seed {self.seed} (shuffle {self.shuffle}): resume with the same seed"
+            )
+        self.cursor = int(state["cursor"])
+
+
+def validation_batches(
+    dataset: PackedDataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1
+) -> Iterator[dict]:
+    """The split in order, once: ``{"input_ids": LongTensor[b, seq_len], "indices": [...]}``.
+
+    With ``dp_size > 1`` rank ``r`` gets batches ``r, r + dp_size, ...`` (the last may be short).
+    """
+    import torch
+
+    if batch_size < 1:
+        raise PipelineError(f"batch_size {batch_size} must be at least 1")
+    n = len(dataset)
+    for b, start in enumerate(range(0, n, batch_size)):
+        if b % dp_size != dp_rank:
+            continue
+        idx = np.arange(start, min(n, start + batch_size))
+        yield {"input_ids": torch.from_numpy(dataset.get_rows(idx)).long(), "indices": idx.tolist()}
