@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -44,6 +45,9 @@ NODE_PREFIX = "sn"
 SUBNET_PREFIX = "10.99.0"  # private to this machine; the host is .1, node i is .(10+i)
 PARTITION = "debug"
 REGISTRY = Path("/run/zerosnake-slurm/cluster.json")  # where the running cluster is recorded
+# Held (flock) by whoever runs the cluster, so that two test sessions on one machine take turns
+# instead of tearing down each other's cluster (names, addresses and ports are fixed).
+LOCK = Path("/run/zerosnake-slurm/lock")
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 
@@ -252,6 +256,8 @@ class TestCluster:
         # slurmctld compares its own short host name with SlurmctldHost.
         self.controller_host = socket.gethostname().split(".")[0]
         self.info: ClusterInfo | None = None
+        self.pids: dict[str, int] = {}  # daemon -> pid, for stop() and leftover checks
+        self._lock_fd: int | None = None
 
     # paths ----------------------------------------------------------------------------------
     @property
@@ -274,10 +280,13 @@ class TestCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     # start ----------------------------------------------------------------------------------
-    def start(self, timeout: float = 60.0) -> ClusterInfo:
+    def start(self, timeout: float = 60.0, lock_timeout: float = 900.0) -> ClusterInfo:
+        """Start the cluster (cleaning whatever an earlier run left) and wait until every node
+        is idle. Waits up to `lock_timeout` for another session's cluster to stop first."""
         reason = missing_requirements()
         if reason:
             raise ClusterError(reason)
+        self._acquire_lock(lock_timeout)
         t0 = time.monotonic()
         cleanup_leftovers()
         self._write_files()
@@ -293,6 +302,9 @@ class TestCluster:
             with contextlib.suppress(Exception):
                 self.stop()
             raise
+        self.pids["slurmctld"] = _read_pid(self.ctld_pidfile) or 0
+        for n in self.node_names:
+            self.pids[f"slurmd-{n}"] = _read_pid(self.slurmd_pidfile(n)) or 0
         self.info = ClusterInfo(
             partition=PARTITION,
             account=None,
@@ -487,7 +499,40 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     # stop -----------------------------------------------------------------------------------
     def stop(self) -> None:
         """Stop the daemons and jobs, remove namespaces and bridge. Safe to call twice."""
-        cleanup_leftovers(extra_workdirs=[self.workdir])
+        try:
+            cleanup_leftovers(extra_workdirs=[self.workdir])
+        finally:
+            self._release_lock()
+
+    def leftovers(self) -> list[str]:
+        """What is still there after stop(): namespaces, links, this cluster's daemons."""
+        alive = [f"{name} pid {pid}" for name, pid in self.pids.items() if pid and _pid_alive(pid)]
+        return leftovers() + alive
+
+    def _acquire_lock(self, timeout: float) -> None:
+        if self._lock_fd is not None:
+            return
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ClusterError(f"another session holds {LOCK} (its test cluster is "
+                                       f"running) after waiting {timeout:.0f} s") from None
+                time.sleep(1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
 
     def status(self) -> str:
         lines = [f"workdir: {self.workdir}", f"SLURM_CONF={self.conf}"]
@@ -567,7 +612,9 @@ def cleanup_leftovers(extra_workdirs: list[Path] | None = None) -> None:
             pid = _read_pid(pidfile)
             if pid and _pid_alive(pid) and _pid_comm(pid).startswith("slurmd"):
                 node_pids.append(pid)
-    _kill_pids(sorted(set(node_pids)))
+    # Short grace: everything in a node is disposable, and job payloads may ignore SIGTERM
+    # (submitit does, it waits for the time-limit signal instead).
+    _kill_pids(sorted(set(node_pids)), timeout=2.0)
 
     # 3. Links and namespaces. Deleting the host end removes the pair at once (otherwise the
     #    host end lingers a few seconds after its namespace goes).

@@ -59,6 +59,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurmclu
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = previous
+    # Teardown is part of the contract: no daemon, namespace or link may outlive the session.
+    rest = cluster.leftovers()
+    if rest:
+        pytest.fail(f"test cluster left behind: {rest}")
 
 
 @pytest.fixture
