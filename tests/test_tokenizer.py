@@ -79,7 +79,7 @@ def test_tokenizer_json_file_path_and_missing_dir(tok_dir: Path, tmp_path: Path)
     with pytest.raises(PipelineError, match=r"does not exist.*train"):
         tokenizer_info(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PipelineError, match="no tokenizer.json"):
+    with pytest.raises(PipelineError, match=r"no tokenizer\.json"):
         tokenizer_info(tmp_path / "empty")
     with pytest.raises(PipelineError, match="no BOS"):
         # A tokenizer without a BOS token cannot honour --bos.
