@@ -170,8 +170,13 @@ def _pp_candidates(model: ModelShape, cluster: Cluster) -> list[int]:
             if cluster.nodes % p == 0 and model.num_layers % p == 0]
 
 
-def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed") -> list[Strategy]:
-    """The full ordered ladder for one engine (before filtering by the request)."""
+def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed", *,
+           pinned: bool = False) -> list[Strategy]:
+    """The ordered ladder for one engine (before filtering by the request).
+
+    ``pinned``: include rungs that only make sense when the user fixed a field (ZeRO-Offload on
+    stages 1 and 2: when nothing is pinned the ZeRO-3 rungs before them fit whenever they do).
+    """
     out: list[Strategy] = []
     if engine == "deepspeed":
         def ds(stage: int, oo: bool = False, op: bool = False, tp: int = 1,
@@ -179,14 +184,13 @@ def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed") -> li
             return Strategy(engine="deepspeed", zero_stage=stage, offload_optimizer=oo,
                             offload_params=op, tp=tp, pp=pp)
         out += [ds(0), ds(1), ds(2), ds(3), ds(3, True), ds(3, True, True)]
+        if pinned:
+            out += [ds(1, True), ds(2, True)]
         # AutoTP is verified with ZeRO-1 and -2 only (../shared/notes/cpu-engines.md).
         out += [ds(stage, tp=t) for t in _tp_candidates(model, cluster) for stage in (1, 2)]
         # DeepSpeed's PipelineEngine supports ZeRO ≤ 1.
         out += [ds(1, tp=t, pp=p) for p in _pp_candidates(model, cluster)
                 for t in [1, *_tp_candidates(model, cluster)]]
-        # Off the unconstrained ladder (ZeRO-3 variants always fit when these do) but reachable
-        # when the user pins the stage: ZeRO-Offload on stages 1 and 2.
-        out += [ds(1, True), ds(2, True)]
     else:
         def fs(sharding: str, off: bool = False, tp: int = 1, pp: int = 1) -> Strategy:
             return Strategy(engine="fsdp", fsdp_sharding=sharding,  # type: ignore[arg-type]
@@ -200,9 +204,6 @@ def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed") -> li
         out += [fs("FULL_SHARD", tp=t, pp=p) for p in _pp_candidates(model, cluster)
                 for t in [1, *_tp_candidates(model, cluster)]]
     return out
-
-
-_UNCONSTRAINED_EXTRA = 2  # trailing off-ladder deepspeed rungs skipped when nothing is pinned
 
 
 def _matches(candidate: Strategy, request: Strategy) -> bool:
@@ -304,11 +305,11 @@ def plan(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
         raise PipelineError(f"--accounting: {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
     if not 0 <= headroom < 1:
         raise PipelineError(f"headroom: must be in [0, 1), got {headroom!r}")
-    full = ladder(model, cluster, request.engine)
-    unconstrained = full[:-_UNCONSTRAINED_EXTRA] if request.engine == "deepspeed" else full
+    unconstrained = ladder(model, cluster, request.engine)
     pinned = any(getattr(request, k) is not None for k in (
         "zero_stage", "fsdp_sharding", "offload_optimizer", "offload_params", "tp", "pp"))
-    candidates = [s for s in (full if pinned else unconstrained) if _matches(s, request)]
+    full = ladder(model, cluster, request.engine, pinned=pinned)
+    candidates = [s for s in full if _matches(s, request)]
     if not candidates:
         candidates = [_fill(request)]
 
