@@ -151,6 +151,28 @@ def test_submitit_result(slurm_cluster: slurmcluster.ClusterInfo, slurm_workdir:
         assert result["host"] != socket.gethostname()  # ran on a node, not on the submit host
 
 
+def test_submitit_two_nodes(slurm_cluster: slurmcluster.ClusterInfo, slurm_workdir: Path) -> None:
+    # submitit's batch script runs `srun` from the first node: the step must reach the second.
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip("the partition has fewer than two nodes")
+    executor = _executor(slurm_cluster, slurm_workdir / "submitit", timeout_min=5, nodes=2,
+                         tasks_per_node=1)
+    job = executor.submit(where_am_i, 1)
+    _wait_done(job, timeout=120)
+    results = job.results()
+    assert len(results) == 2
+    assert len({r["host"] for r in results}) == 2, results
+    assert {r["job"] for r in results} == {job.job_id}
+
+
+def test_config_found_without_slurm_conf(slurm_cluster: slurmcluster.ClusterInfo) -> None:
+    # Snakemake's jobstep plugin strips SLURM_CONF before its inner srun: clients inside a job
+    # must find the configuration at the default path (/etc/slurm/slurm.conf on the node).
+    proc = _run(["srun", *slurm_cluster.sbatch_args(), "-N1", "--time=1",
+                 "env", "-u", "SLURM_CONF", "sinfo", "-h", "-o", "%R"], timeout=60)
+    assert slurm_cluster.partition in proc.stdout.split(), proc.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # 4. time-limit warning (USR2) -> checkpoint -> requeue (same job id) -> resume
 
