@@ -139,6 +139,13 @@ def test_cli_invalid_input_exit_2(argv: list[str], needle: str, capsys) -> None:
     assert needle in capsys.readouterr().err
 
 
+def test_cli_json_stdout_is_pure_json() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipeline.plan", "--model", "tiny", "--json",
+                           "--gpus-per-node", "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"] == "tiny"
+
+
 def test_cli_as_module_exit_status() -> None:
     proc = subprocess.run([sys.executable, "-m", "pipeline.plan", "--micro-batch", "0"],
                           capture_output=True, text=True, timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -65,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
                           grad_accum=args.grad_accum, global_batch_size=args.global_batch,
                           precision=args.precision,
                           activation_checkpointing=args.activation_checkpointing)
-        the_plan, errors = check(model=model, cluster=cluster, batch=batch, strategy=strategy,
-                                 accounting=args.accounting, headroom=args.headroom)
+        # DeepSpeed logs to stdout (bound when it is first imported, inside check): keep stdout
+        # for the plan / --json alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            the_plan, errors = check(model=model, cluster=cluster, batch=batch,
+                                     strategy=strategy, accounting=args.accounting,
+                                     headroom=args.headroom)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
