@@ -346,9 +346,14 @@ def load_config(path: str | Path) -> Config:
     return parse_config(raw)
 
 
+def parse_run_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate one run's effective config (as ``Config.run`` returns it, dumped to JSON)."""
+    return _validate(RunConfig, raw)
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a rendered run's ``config.json``."""
-    return _validate(RunConfig, json.loads(Path(path).read_text()))
+    return parse_run_config(json.loads(Path(path).read_text()))
 
 
 def expand_source(path: str) -> list[Path]:

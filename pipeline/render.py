@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig, parse_config
+from pipeline.config import RunConfig, load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic, write_text_atomic
@@ -168,19 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         description="Render one run's engine configs, topology and plan from the config.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", type=Path, help="a config YAML file")
-    src.add_argument("--config-json", help="the whole config as JSON (what Snakemake passes)")
-    p.add_argument("--run", required=True, help="run name (a key of runs:)")
+    src.add_argument("--config", type=Path, help="a config YAML file (with --run)")
+    src.add_argument(
+        "--run-config-json", help="one run's effective config as JSON (what Snakemake passes)"
+    )
+    p.add_argument("--run", help="run name (a key of runs:), with --config")
     p.add_argument("--out", type=Path, required=True, help="output dir, e.g. results/runs/NAME")
     args = p.parse_args(argv)
     try:
         if args.config is not None:
-            from pipeline.config import load_config
-
-            cfg = load_config(args.config)
+            if not args.run:
+                raise PipelineError("--config needs --run NAME (one of the config's runs:)")
+            run = load_config(args.config).run(args.run)
         else:
-            cfg = parse_config(json.loads(args.config_json))
-        files = render_run(cfg.run(args.run))
+            run = parse_run_config(json.loads(args.run_config_json))
+        files = render_run(run)
         write_rendered(files, args.out)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -17,5 +17,5 @@ rule render:
     log:
         "results/logs/render/{run}.log",
     shell:
-        "python -m pipeline.render --config-json {params.cfg:q} --run {wildcards.run:q}"
+        "python -m pipeline.render --run-config-json {params.cfg:q}"
         " --out results/runs/{wildcards.run:q} > {log:q} 2>&1"

@@ -4,28 +4,41 @@
 # Every value from the config reaches the shell quoted (`:q`): paths are data, never commands.
 
 
-rule tokenizer:
-    input:
-        SOURCE_FILES,
-    output:
-        f"{DATA}/tokenizer/tokenizer.json",
-    params:
-        data=data_params(),
-        fmt=format_args(),
-        vocab=CFG.data.tokenizer.vocab_size,
-        max_bytes=CFG.data.tokenizer.train_max_bytes,
-        source=CFG.data.tokenizer.path or "",
-    conda:
-        "../envs/zerosnake.yaml"
-    log:
-        "results/logs/tokenizer.log",
-    shell:
-        "if [ -n {params.source:q} ]; then"
-        " python -m pipeline.tokenizer import --path {params.source:q} --out results/data/tokenizer;"
-        " else"
-        " python -m pipeline.tokenizer train --input {input:q} --vocab-size {params.vocab}"
-        " --max-bytes {params.max_bytes} --out results/data/tokenizer {params.fmt:q};"
-        " fi > {log:q} 2>&1"
+if CFG.data.tokenizer.path:
+
+    rule tokenizer:
+        input:
+            CFG.data.tokenizer.path,
+        output:
+            f"{DATA}/tokenizer/tokenizer.json",
+        conda:
+            "../envs/zerosnake.yaml"
+        log:
+            "results/logs/tokenizer.log",
+        shell:
+            "python -m pipeline.tokenizer import --path {input:q} --out results/data/tokenizer"
+            " > {log:q} 2>&1"
+
+else:
+
+    rule tokenizer:
+        input:
+            SOURCE_FILES,
+        output:
+            f"{DATA}/tokenizer/tokenizer.json",
+        params:
+            data=data_params(),
+            fmt=format_args(),
+            vocab=CFG.data.tokenizer.vocab_size,
+            max_bytes=CFG.data.tokenizer.train_max_bytes,
+        conda:
+            "../envs/zerosnake.yaml"
+        log:
+            "results/logs/tokenizer.log",
+        shell:
+            "python -m pipeline.tokenizer train --input {input:q} --vocab-size {params.vocab}"
+            " --max-bytes {params.max_bytes} --out results/data/tokenizer {params.fmt:q}"
+            " > {log:q} 2>&1"
 
 
 rule tokenize_shard:

@@ -30,9 +30,9 @@ rule train:
     shell:
         "python -m pipeline.train launch --run-dir results/runs/{wildcards.run:q}"
         " --data-dir results/data --launcher {resources.launcher:q}"
-        " --partition {resources.slurm_partition:q} --account {resources.slurm_account:q}"
-        " --qos {resources.slurm_qos:q} --constraint {resources.constraint:q}"
-        " --exclude {resources.slurm_exclude:q} --time-min {resources.runtime}"
+        " --partition={resources.slurm_partition:q} --account={resources.slurm_account:q}"
+        " --qos={resources.slurm_qos:q} --constraint={resources.constraint:q}"
+        " --exclude={resources.slurm_exclude:q} --time-min {resources.runtime}"
         " --cpus-per-task {resources.cpus_per_task} --signal-delay-s {resources.signal_delay_s}"
         " --max-requeues {resources.max_requeues} --job-name zs-{wildcards.run:q}"
         " > {log:q} 2>&1"
