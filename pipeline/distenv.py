@@ -126,3 +126,117 @@ def torchrun_argv(
     # torchrun's: an in-place restart would resume without the requeue bookkeeping.
     argv += ["--max-restarts=0", "-m", module, *args]
     return argv
+
+
+# --------------------------------------------------------------------------------------------
+# Reading Slurm's view of a job (squeue/scontrol, argument lists). squeue rather than sacct: it
+# works without slurmdbd; finished jobs stay visible for MinJobAge seconds.
+
+#: States in which a job may still run: waiting across requeues is not a failure.
+ALIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+    "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE",
+})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobState:
+    """One job as squeue shows it."""
+
+    job_id: str
+    state: str
+    """Slurm's state name (``RUNNING``, ``PENDING``, ``COMPLETED``, ...)."""
+    reason: str
+    """Why it waits (``BeginTime``, ``Resources``, ``None``, ...)."""
+    name: str
+    nodes: str
+    """Node list (empty while pending)."""
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ALIVE_STATES
+
+
+def squeue_states(job_ids: list[str], timeout: float = 30.0) -> dict[str, JobState] | None:
+    """The jobs squeue still knows (any state); ``None`` when squeue itself failed (slurmctld
+    busy or unreachable: the caller retries instead of concluding anything)."""
+    if not job_ids:
+        return {}
+    # Fields split on a unit separator; the job name comes last and keeps the rest of the line,
+    # so a name with '|', spaces or even that separator stays whole; records end with a record
+    # separator, so a name holding a newline does too.
+    fmt = "%i\x1f%T\x1f%r\x1f%N\x1f%j\x1e"
+    try:
+        proc = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", fmt],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        # squeue fails outright when none of the ids is known any more (aged out after MinJobAge)
+        return {} if "Invalid job id" in proc.stderr else None
+    out: dict[str, JobState] = {}
+    for record in proc.stdout.split("\x1e"):
+        parts = record.lstrip("\n").split("\x1f", 4)
+        if len(parts) == 5 and parts[0]:
+            jid, state, reason, nodes, name = parts
+            out[jid] = JobState(job_id=jid, state=state, reason=reason, name=name, nodes=nodes)
+    return out
+
+
+def scontrol_job(job_id: str, timeout: float = 30.0) -> dict[str, str]:
+    """``scontrol show job -o`` as a dict (Restarts, ExcNodeList, TimeLimit, ...); {} if unknown.
+
+    Values with spaces (Command=, a hostile Comment=) are not split reliably by this format:
+    use it only for scheduler-owned fields."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id],
+                              capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if proc.returncode != 0:
+        return {}
+    fields: dict[str, str] = {}
+    for token in proc.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def parse_slurm_duration(text: str) -> float | None:
+    """Seconds in a Slurm duration (``[days-]hours:minutes:seconds``, ``mm:ss``); None for
+    ``UNLIMITED``/``INVALID``/``NOT_SET``."""
+    text = text.strip()
+    if not text or not (text[0].isdigit()):
+        return None
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+    parts = [int(p) for p in text.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    h, m, s = parts[-3:]
+    return float(((days * 24 + h) * 60 + m) * 60 + s)
+
+
+def time_left_s(job_id: str) -> float | None:
+    """Seconds until the job's time limit, as slurmctld sees it (None if unlimited/unknown)."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_duration(proc.stdout) if proc.returncode == 0 else None
+
+
+def partition_nodes(partition: str | None) -> list[str]:
+    """Node names of a partition (the default one when None): bounds the exclude list."""
+    cmd = ["sinfo", "-h", "-N", "-o", "%N"] + (["-p", partition] if partition else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted(set(proc.stdout.split())) if proc.returncode == 0 else []
