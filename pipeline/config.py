@@ -148,12 +148,27 @@ class TrainConfig(_Strict):
     """Training engine: FSDP2 (``fully_shard``, DCP checkpoints) or DeepSpeed (ZeRO)."""
     zero_stage: int = Field(1, ge=0, le=3)
     """DeepSpeed ZeRO stage (``backend: deepspeed``)."""
-    fsdp_sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = "FULL_SHARD"
-    """FSDP2 sharding (``backend: fsdp``): reshard after forward or not, or plain DDP-like."""
+    fsdp_sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """FSDP2 sharding (``backend: fsdp``): FULL_SHARD (ZeRO-3-like), SHARD_GRAD_OP (keeps
+    parameters gathered between forward and backward), HYBRID_SHARD (shard within a node,
+    replicate across nodes), NO_SHARD (replicate: DDP-like)."""
+    strategy: Literal["manual", "auto"] = "manual"
+    """``auto``: the planner picks ZeRO stage / FSDP sharding and offload, the least
+    communication that fits in memory (the choice is written to the rendered config.json)."""
     offload_optimizer: bool = False
     """Keep optimizer states on the host (DeepSpeed ZeRO-Offload)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Parameter/compute precision; bf16 keeps fp32 master weights and fp32 reduction."""
+    offload_params: bool = False
+    """Keep parameters on the host between uses (DeepSpeed ZeRO-3 only)."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree (planned and rendered; the trainer runs tp = 1 only)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree (planned and rendered; the trainer runs pp = 1 only)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; bf16/fp16 keep fp32 master weights (fp16 with loss scaling, DeepSpeed
+    only)."""
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    """Extra DeepSpeed config keys merged over the rendered ``ds_config.json`` (checked against
+    the installed DeepSpeed at render time)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
     micro_batch_size: int = Field(8, ge=1)
@@ -196,7 +211,33 @@ class TrainConfig(_Strict):
             raise ValueError("train.offload_optimizer needs train.backend: deepspeed")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
+        if self.offload_params and (self.backend != "deepspeed" or self.zero_stage != 3):
+            raise ValueError("train.offload_params needs train.backend: deepspeed and zero_stage: 3")
+        if self.precision == "fp16" and self.backend != "deepspeed":
+            raise ValueError(
+                "train.precision: fp16 needs DeepSpeed's loss scaling (backend: deepspeed); "
+                "use bf16 with fsdp"
+            )
+        if self.deepspeed and self.backend != "deepspeed":
+            raise ValueError("train.deepspeed: extra DeepSpeed keys need train.backend: deepspeed")
+        if self.tp > 1 or self.pp > 1:
+            raise ValueError(
+                f"train.tp ({self.tp}) / train.pp ({self.pp}): the trainer runs data parallelism "
+                "only; plan TP/PP layouts with `python -m pipeline.plan --tp N --pp M` and set "
+                "both to 1 here"
+            )
         return self
+
+
+class PlanConfig(_Strict):
+    """How the render stage's memory planner judges a layout."""
+
+    accounting: Literal["deepspeed", "paper"] = "deepspeed"
+    """Model-state accounting: DeepSpeed's own estimators, or the ZeRO paper's (K = 12)."""
+    headroom: float = Field(0.10, ge=0.0, lt=1.0)
+    """Fraction of GPU and host memory kept free."""
+    enforce_memory: bool = True
+    """A layout that does not fit is an error (on CPU-only runs the plan is advisory)."""
 
 
 class RunConfig(_Strict):
@@ -212,6 +253,8 @@ class RunConfig(_Strict):
     """Cluster shape."""
     train: TrainConfig = TrainConfig()
     """Training settings."""
+    plan: PlanConfig = PlanConfig()
+    """Memory-planner settings."""
 
     @property
     def world_size(self) -> int:
@@ -259,6 +302,8 @@ class Config(_Strict):
     """Default cluster shape for every run."""
     train: TrainConfig = TrainConfig()
     """Default training settings for every run."""
+    plan: PlanConfig = PlanConfig()
+    """Default memory-planner settings for every run."""
     runs: dict[str, RunOverrides] = Field(default_factory=lambda: {"main": RunOverrides()})
     """Run name → overrides of ``model``/``cluster``/``train`` for that run."""
 
@@ -275,7 +320,7 @@ class Config(_Strict):
 
 
 class RunOverrides(_Strict):
-    """Per-run overrides; any key of ``model``, ``cluster`` or ``train``."""
+    """Per-run overrides; any key of ``model``, ``cluster``, ``train`` or ``plan``."""
 
     model: dict[str, Any] | None = None
     """Overrides of ``model`` for this run."""
@@ -283,6 +328,8 @@ class RunOverrides(_Strict):
     """Overrides of ``cluster`` for this run."""
     train: dict[str, Any] | None = None
     """Overrides of ``train`` for this run."""
+    plan: dict[str, Any] | None = None
+    """Overrides of ``plan`` for this run."""
 
 
 Config.model_rebuild()

@@ -17,140 +17,151 @@ from typing import Any
 from pipeline.config import RunConfig, load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
-from pipeline.io import write_json_atomic, write_text_atomic
+from pipeline.io import read_json, write_json_atomic, write_text_atomic
+from pipeline.plan import (
+    BatchSpec,
+    Cluster,
+    ModelShape,
+    Plan,
+    Strategy,
+    check,
+    preflight,
+    render_ds_config,
+    render_fsdp_config,
+    render_plan_md,
+    render_topology,
+    sbatch_preview,
+)
+from pipeline.plan.preflight import deep_merge
 
 
-def ds_config(run: RunConfig) -> dict[str, Any]:
-    """The DeepSpeed config for a run: only keys the installed engine reads."""
+#: DeepSpeed's own progress prints would duplicate the loop's metrics.jsonl.
+_QUIET_STEPS = 10**9
+
+
+def planner_inputs(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
+    """The planner's typed inputs for a run (``strategy: auto`` leaves the sharding open)."""
+    m, c, t = run.model, run.cluster, run.train
+    model = ModelShape(
+        name=f"run {run.name}",
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads or m.num_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings,
+    )
+    cluster = Cluster(
+        nodes=c.nodes,
+        gpus_per_node=c.gpus_per_node,
+        gpu_mem_gb=c.gpu_mem_gb,
+        host_mem_gb=c.host_mem_gb,
+    )
+    batch = BatchSpec(
+        seq_len=run.data.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum=t.grad_accum,
+        global_batch_size=t.global_batch_size,
+        precision=t.precision,
+        activation_checkpointing=t.activation_checkpointing,
+    )
+    auto = t.strategy == "auto"
+    deepspeed = t.backend == "deepspeed"
+    strategy = Strategy(
+        engine=t.backend,
+        zero_stage=None if auto or not deepspeed else t.zero_stage,
+        fsdp_sharding=None if auto or deepspeed else t.fsdp_sharding,
+        offload_optimizer=None if auto else t.offload_optimizer,
+        offload_params=None if auto else t.offload_params,
+        tp=t.tp,
+        pp=t.pp,
+    )
+    return {"model": model, "cluster": cluster, "batch": batch, "strategy": strategy}
+
+
+def resolve_strategy(run: RunConfig, plan: Plan) -> RunConfig:
+    """The run with the planner's choice written in (what the trainer will read)."""
+    chosen = plan.strategy
+    train: dict[str, Any] = {
+        "offload_optimizer": bool(chosen.offload_optimizer),
+        "offload_params": bool(chosen.offload_params),
+    }
+    if chosen.engine == "deepspeed":
+        train["zero_stage"] = chosen.zero_stage or 0
+    else:
+        train["fsdp_sharding"] = chosen.fsdp_sharding
+    data = run.model_dump(mode="json")
+    data["train"].update(train)
+    return parse_run_config(data)
+
+
+def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
+    """Everything the render stage writes for one run, as a dict of file name → content.
+
+    Pure: the same run and vocabulary give the same files (golden-tested). Raises
+    ``PipelineError`` listing every pre-flight problem (batch arithmetic, divisibility, memory,
+    DeepSpeed keys the installed engine does not know).
+    """
     t = run.train
-    cfg: dict[str, Any] = {
-        "train_batch_size": run.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum,
+    inputs = planner_inputs(run, vocab_size=vocab_size)
+    ds_kwargs = {
+        "lr": t.lr,
+        "betas": t.betas,
+        "eps": t.eps,
+        "weight_decay": t.weight_decay,
+        "warmup_steps": t.warmup_steps,
+        "total_steps": t.max_steps,
         "gradient_clipping": t.grad_clip,
-        "steps_per_print": 10**9,  # the loop logs; DeepSpeed's own prints would duplicate them
-        "wall_clock_breakdown": False,
-        "bf16": {"enabled": t.precision == "bf16"},
-        "zero_optimization": {
-            "stage": t.zero_stage,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "reduce_bucket_size": 5e8,
-            "allgather_bucket_size": 5e8,
-        },
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": t.lr,
-                "betas": list(t.betas),
-                "eps": t.eps,
-                "weight_decay": t.weight_decay,
-                "torch_adam": t.torch_adam,
-            },
-        },
-        "scheduler": {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": t.lr,
-                "warmup_num_steps": t.warmup_steps,
-                "total_num_steps": t.max_steps,
-                "warmup_type": "linear",
-            },
-        },
+        "torch_adam": t.torch_adam,
+        "steps_per_print": _QUIET_STEPS,
     }
-    if t.zero_stage == 3:
-        # allgather_bucket_size is a stage 1/2 key; stage 3 has its own prefetch knobs.
-        cfg["zero_optimization"].pop("allgather_bucket_size")
-    if t.zero_stage == 0:
-        cfg["zero_optimization"] = {"stage": 0}
-    if t.offload_optimizer:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return cfg
-
-
-def fsdp_config(run: RunConfig) -> dict[str, Any]:
-    """FSDP2 settings: mesh, mixed precision, wrap unit, resharding."""
-    t = run.train
-    return {
-        "sharding": t.fsdp_sharding,
-        "mesh": [run.world_size, 1] if t.fsdp_sharding == "NO_SHARD" else [run.world_size],
-        "mesh_dim_names": ["replicate", "shard"] if t.fsdp_sharding == "NO_SHARD" else ["shard"],
-        "wrap_unit": "decoder layer (model.model.layers[i]), then the root",
-        "reshard_after_forward": t.fsdp_sharding == "FULL_SHARD",
-        "mixed_precision": (
-            {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-            if t.precision == "bf16"
-            else None
-        ),
-        "activation_checkpointing": t.activation_checkpointing,
-    }
-
-
-def topology(run: RunConfig) -> dict[str, Any]:
-    """Nodes × processes, parallel degrees and the batch arithmetic."""
-    t = run.train
-    return {
-        "nodes": run.cluster.nodes,
-        "gpus_per_node": run.cluster.gpus_per_node,
-        "world_size": run.world_size,
-        "tp": 1,
-        "pp": 1,
-        "dp": run.dp_size,
-        "micro_batch_size": t.micro_batch_size,
-        "grad_accum": t.grad_accum,
-        "global_batch_size": run.global_batch_size,
-        "tokens_per_step": run.global_batch_size * run.data.seq_len,
-        "batch_arithmetic": (
-            f"{t.micro_batch_size} micro × {t.grad_accum} accumulation × {run.dp_size} "
-            f"data-parallel = {run.global_batch_size} sequences/step"
-        ),
-    }
-
-
-def plan_md(run: RunConfig, topo: dict[str, Any]) -> str:
-    """A human-readable summary of what will run."""
-    t = run.train
-    engine = (
-        f"DeepSpeed ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
-        if t.backend == "deepspeed"
-        else f"FSDP2 {t.fsdp_sharding}"
-    )
-    return "\n".join(
-        [
-            f"# Plan for run `{run.name}`",
-            "",
-            f"- Engine: {engine}, {t.precision}"
-            + (", activation checkpointing" if t.activation_checkpointing else ""),
-            f"- Topology: {topo['nodes']} node(s) × {topo['gpus_per_node']} process(es) = "
-            f"world {topo['world_size']} (TP 1 × PP 1 × DP {topo['dp']})",
-            f"- Batch: {topo['batch_arithmetic']}; {topo['tokens_per_step']} tokens/step",
-            f"- Steps: {t.max_steps} (warmup {t.warmup_steps}, peak lr {t.lr}), checkpoint "
-            f"every {t.checkpoint_every}, keep {t.keep_last}",
-            "",
-        ]
-    )
-
-
-def render_run(run: RunConfig) -> dict[str, Any]:
-    """Everything the render stage writes for one run, as a dict of file name → content."""
-    topo = topology(run)
-    argv = torchrun_argv(
-        "python",
-        node=None,
-        nproc_per_node=run.cluster.gpus_per_node,
-        module="pipeline.train",
-        args=["worker", "--run-dir", f"results/runs/{run.name}", "--data-dir", "results/data"],
-    )
-    return {
+    if run.plan.enforce_memory:
+        plan = preflight(
+            **inputs,
+            accounting=run.plan.accounting,
+            headroom=run.plan.headroom,
+            ds_overrides=t.deepspeed or None,
+            ds_render_kwargs=ds_kwargs,
+        )
+    else:
+        plan, errors = check(
+            **inputs,
+            accounting=run.plan.accounting,
+            headroom=run.plan.headroom,
+            ds_overrides=t.deepspeed or None,
+            ds_render_kwargs=ds_kwargs,
+        )
+        errors = [e for e in errors if "does not fit" not in str(e)]
+        if errors:
+            raise PipelineError(
+                f"pre-flight found {len(errors)} problem(s):\n"
+                + "\n".join(f"- {e}" for e in errors)
+            )
+    run = resolve_strategy(run, plan)
+    files: dict[str, Any] = {
         "config.json": run.model_dump(mode="json"),
-        "ds_config.json": ds_config(run),
-        "fsdp.json": fsdp_config(run),
-        "topology.json": topo,
-        "plan.md": plan_md(run, topo),
-        "launch.json": {"per_node_argv": argv},
+        "topology.json": render_topology(plan.dims, seq_len=run.data.seq_len),
+        "plan.md": render_plan_md(plan),
+        "plan.json": plan.as_dict(),
+        "launch.json": {
+            "per_node_argv": torchrun_argv(
+                "python",
+                node=None,
+                nproc_per_node=run.cluster.gpus_per_node,
+                module="pipeline.train",
+                args=["worker", "--run-dir", f"results/runs/{run.name}", "--data-dir",
+                      "results/data"],
+            ),
+            "sbatch_preview": sbatch_preview(plan, job_name=f"zs-{run.name}"),
+        },
     }
+    if t.backend == "deepspeed":
+        files["ds_config.json"] = deep_merge(render_ds_config(plan, **ds_kwargs), t.deepspeed)
+    else:
+        files["fsdp.json"] = render_fsdp_config(plan)
+    return files
 
 
 def write_rendered(files: dict[str, Any], out: Path) -> None:
@@ -174,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--run", help="run name (a key of runs:), with --config")
     p.add_argument("--out", type=Path, required=True, help="output dir, e.g. results/runs/NAME")
+    vocab = p.add_mutually_exclusive_group()
+    vocab.add_argument("--data-manifest", type=Path, help="results/data/manifest.json (vocab size)")
+    vocab.add_argument("--vocab-size", type=int, help="vocabulary size, without a manifest")
     args = p.parse_args(argv)
     try:
         if args.config is not None:
@@ -182,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             run = load_config(args.config).run(args.run)
         else:
             run = parse_run_config(json.loads(args.run_config_json))
-        files = render_run(run)
+        if args.data_manifest is not None:
+            vocab_size = read_json(args.data_manifest)["tokenizer"]["vocab_size"]
+        else:
+            vocab_size = args.vocab_size or run.data.tokenizer.vocab_size
+        files = render_run(run, vocab_size=vocab_size)
         write_rendered(files, args.out)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)

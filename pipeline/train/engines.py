@@ -82,6 +82,12 @@ class FSDPEngine:
         if t.fsdp_sharding == "NO_SHARD":
             # Replicate over all ranks, shard over a dimension of size 1: DDP semantics (HSDP).
             mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        elif t.fsdp_sharding == "HYBRID_SHARD":
+            # Shard inside a node (fast links), replicate across nodes: a 2-D mesh.
+            per_node = run.cluster.gpus_per_node
+            mesh = init_device_mesh(
+                device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard")
+            )
         else:
             mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
         mp = (
@@ -90,7 +96,7 @@ class FSDPEngine:
             else MixedPrecisionPolicy()
         )
         # SHARD_GRAD_OP (ZeRO-2-like) keeps parameters gathered between forward and backward.
-        reshard = t.fsdp_sharding == "FULL_SHARD"
+        reshard = t.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -4,6 +4,7 @@ import os
 import sys
 
 from pipeline.config import expand_sources, parse_config
+from pipeline.render import render_run
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
 # (the project's venv) even when the venv is not activated; Slurm jobs inherit this PATH.
@@ -13,6 +14,10 @@ RUNS = CFG.run_names()
 DATA = "results/data"
 SHARDS = [f"{i:05d}" for i in range(CFG.data.shards)]
 SOURCE_FILES = expand_sources(CFG.data.sources)
+# Pre-flight of every run (batch arithmetic, divisibility, memory plan, DeepSpeed keys) before
+# any job is queued. The render rule repeats it with the tokenizer's real vocabulary size.
+for _run in RUNS:
+    render_run(CFG.run(_run), vocab_size=CFG.data.tokenizer.vocab_size)
 
 
 wildcard_constraints:

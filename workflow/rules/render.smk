@@ -7,7 +7,6 @@ rule render:
         manifest=f"{DATA}/manifest.json",
     output:
         config="results/runs/{run}/config.json",
-        ds="results/runs/{run}/ds_config.json",
         topology="results/runs/{run}/topology.json",
         plan="results/runs/{run}/plan.md",
     params:
@@ -18,4 +17,5 @@ rule render:
         "results/logs/render/{run}.log",
     shell:
         "python -m pipeline.render --run-config-json {params.cfg:q}"
+        " --data-manifest {input.manifest:q}"
         " --out results/runs/{wildcards.run:q} > {log:q} 2>&1"
