@@ -34,7 +34,6 @@ from pipeline.plan import (
 )
 from pipeline.plan.preflight import deep_merge
 
-
 #: DeepSpeed's own progress prints would duplicate the loop's metrics.jsonl.
 _QUIET_STEPS = 10**9
 
