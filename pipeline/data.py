@@ -80,16 +80,6 @@ class _Shard:
                 f"{entry['sequences']}: rerun the tokenize stage for it"
             )
 
-    def rows(self, local: np.ndarray, out: np.ndarray) -> None:
-        """Copy rows ``local`` (shard-local indices) into ``out``."""
-        blk = np.searchsorted(self.starts, local, side="right") - 1
-        if len(self.blocks) == 1:
-            out[:] = self.blocks[0][local]
-            return
-        for b in np.unique(blk):
-            sel = blk == b
-            out[sel] = self.blocks[b][local[sel] - self.starts[b]]
-
 
 class PackedDataset:
     """The packed sequences of one split of a tokenized data directory.
@@ -119,6 +109,11 @@ class PackedDataset:
         self.entries: list[dict] = self.manifest["splits"][split]["shards"]
         self.offsets = np.cumsum([0] + [int(e["sequences"]) for e in self.entries])
         self._shards: dict[int, _Shard] = {}
+        # Row address table, filled as shards open: global row -> (block, row in block), so a
+        # batch is gathered with one small loop and no per-batch searching (the loader's hot path).
+        self._blocks: list[np.ndarray] = []
+        self._addr = np.zeros((len(self), 2), dtype=np.int64)  # (block, row) per global row
+        self._all_open = len(self.entries) == 0
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -137,7 +132,14 @@ class PackedDataset:
         if s is None:
             e = self.entries[k]
             s = _Shard(self.data_dir / e["path"], e, self.seq_len, self.verify)
+            base = int(self.offsets[k])
+            for b, blk in enumerate(s.blocks):
+                lo = base + int(s.starts[b])
+                self._addr[lo : lo + len(blk), 0] = len(self._blocks)
+                self._addr[lo : lo + len(blk), 1] = np.arange(len(blk))
+                self._blocks.append(blk)
             self._shards[k] = s
+            self._all_open = len(self._shards) == len(self.entries)
         return s
 
     def open_all(self) -> None:
@@ -157,20 +159,26 @@ class PackedDataset:
         b = bisect.bisect_right(s.starts, local) - 1
         return s.blocks[b][local - int(s.starts[b])]
 
-    def get_rows(self, indices: np.ndarray | list[int]) -> np.ndarray:
-        """Rows ``indices`` as a new ``int32`` array of shape ``(len(indices), seq_len)``."""
+    def get_rows(
+        self, indices: np.ndarray | list[int] | range, dtype: type = np.int32
+    ) -> np.ndarray:
+        """Rows ``indices`` as a new array of shape ``(len(indices), seq_len)`` and ``dtype``
+        (int64 lets the loader hand the array to torch without another conversion pass)."""
         idx = np.asarray(indices, dtype=np.int64)
-        out = np.empty((len(idx), self.seq_len), dtype=np.int32)
-        if len(idx) == 0:
-            return out
-        if idx.min() < 0 or idx.max() >= len(self):
-            raise IndexError(f"sequence index out of range (0..{len(self) - 1})")
-        shard_of = np.searchsorted(self.offsets, idx, side="right") - 1
-        for k in np.unique(shard_of):
-            sel = shard_of == k
-            tmp = np.empty((int(sel.sum()), self.seq_len), dtype=np.int32)
-            self.shard(int(k)).rows(idx[sel] - self.offsets[k], tmp)
-            out[sel] = tmp
+        n = len(self)
+        if len(idx) and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"sequence index out of range (0..{n - 1})")
+        if not self._all_open:
+            for k in np.unique(np.searchsorted(self.offsets, idx, side="right") - 1).tolist():
+                self.shard(k)
+        return self._gather(idx, dtype)
+
+    def _gather(self, idx: np.ndarray, dtype: type) -> np.ndarray:
+        """Rows at valid indices ``idx`` of open shards: the hot path, kept minimal."""
+        out = np.empty((len(idx), self.seq_len), dtype=dtype)
+        blocks = self._blocks
+        for j, (b, r) in enumerate(self._addr[idx].tolist()):
+            out[j] = blocks[b][r]
         return out
 
 
@@ -206,6 +214,7 @@ class BatchLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self._n = len(dataset)
         self.cursor = 0  # position in the global stream of the next entry to hand out
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
@@ -243,7 +252,12 @@ class BatchLoader:
     def next_indices(self) -> np.ndarray:
         """This rank's sequence indices of the next micro step (advances the cursor)."""
         m = self.micro_batch_size
-        idx = self.stream(self.cursor + self.dp_rank * m, m)
+        start = self.cursor + self.dp_rank * m
+        epoch, off = divmod(start, self._n)
+        # Common case inside one epoch: a slice of the permutation; else stitch epochs.
+        idx = (
+            self._permutation(epoch)[off : off + m] if off + m <= self._n else self.stream(start, m)
+        )
         self.cursor += m * self.dp_size
         return idx
 
@@ -252,8 +266,9 @@ class BatchLoader:
         import torch
 
         idx = self.next_indices()
-        rows = self.dataset.get_rows(idx)
-        return {"input_ids": torch.from_numpy(rows).long(), "indices": idx.tolist()}
+        ds = self.dataset
+        rows = ds._gather(idx, np.int64) if ds._all_open else ds.get_rows(idx, dtype=np.int64)
+        return {"input_ids": torch.from_numpy(rows), "indices": idx.tolist()}
 
     def __iter__(self) -> Iterator[dict]:
         while True:
@@ -309,4 +324,5 @@ def validation_batches(
         if b % dp_size != dp_rank:
             continue
         idx = np.arange(start, min(n, start + batch_size))
-        yield {"input_ids": torch.from_numpy(dataset.get_rows(idx)).long(), "indices": idx.tolist()}
+        rows = dataset.get_rows(idx, dtype=np.int64)
+        yield {"input_ids": torch.from_numpy(rows), "indices": idx.tolist()}
