@@ -468,6 +468,12 @@ def train_tokenizer(
 
         shutil.rmtree(tmp)
     hf.save_pretrained(str(tmp))
+    # transformers 5 writes its own class name ("TokenizersBackend"), which transformers 4 cannot
+    # load; PreTrainedTokenizerFast loads in both, and clusters often pin an older transformers.
+    cfg_path = tmp / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     stm = tmp / "special_tokens_map.json"
     # transformers 5 folds special_tokens_map.json into tokenizer_config.json; the contract lists it.
     if not stm.exists():

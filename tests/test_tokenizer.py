@@ -60,6 +60,8 @@ def test_trained_dir_loads_with_autotokenizer(tok_dir: Path) -> None:
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= {
         p.name for p in tok_dir.iterdir()
     }
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"  # loadable by transformers 4 and 5
     hf = AutoTokenizer.from_pretrained(str(tok_dir))
     info = tokenizer_info(tok_dir, bos=True)
     assert hf.eos_token == EOS_TOKEN and hf.eos_token_id == info.eos_id == 0
