@@ -199,6 +199,9 @@ class TrainConfig(_Strict):
     """Complete checkpoints kept; older ones are deleted."""
     seed: int = 1234
     """Seed for weights init and the data order."""
+    record_samples: bool = False
+    """Write the sequence indices each rank consumed, per step, to ``samples-rankNNNNN.jsonl``
+    (an audit of the data order across restarts)."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

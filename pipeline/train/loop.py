@@ -34,25 +34,33 @@ STOP_FILE = "STOP"
 
 
 def config_hash(run: RunConfig) -> str:
-    """Hash of what determines the trained weights (not bookkeeping such as checkpoint cadence)."""
+    """Hash of what determines the trained model: not bookkeeping (checkpoint cadence) and not
+    the layout (nodes, processes, micro batch × accumulation), so that a run can resume on
+    another world size with the same global batch."""
     d = run.model_dump(mode="json")
-    for key in ("checkpoint_every", "keep_last"):
+    for key in ("checkpoint_every", "keep_last", "micro_batch_size", "grad_accum",
+                "global_batch_size", "record_samples"):
         d["train"].pop(key, None)
-    d["cluster"] = {"world_size": run.world_size}
+    d["cluster"] = None
+    d["plan"] = None
+    d["global_batch_size"] = run.global_batch_size
     return sha256_json(d)
 
 
 class StopRequest:
-    """A stop flag set by SIGUSR2/SIGTERM (Slurm's warning) or by a ``STOP`` file in the run dir.
+    """A stop flag set by SIGUSR2 (Slurm's time-limit warning, when delivered to the ranks) or
+    by a ``STOP`` file in the run dir (how the node task bridges the warning: torchrun forwards
+    only TERM/INT/HUP/QUIT to its workers).
 
     Every step the ranks OR their flags with one all-reduce, so they all stop at the same step.
+    SIGTERM keeps its default (die): torchrun uses it to tear down the other ranks when one
+    fails, and a rank that ignored it would hang in a collective with the dead peer.
     """
 
     def __init__(self, run_dir: Path) -> None:
         self.flag = False
         self.file = run_dir / STOP_FILE
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        signal.signal(signal.SIGUSR2, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.flag = True
@@ -158,10 +166,19 @@ def run(run_dir: Path, data_dir: Path) -> int:
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             path = Path(box[0])
+            saved_world = read_json(path / ck.MANIFEST).get("world_size")
+            if t.backend == "deepspeed" and saved_world != env.world_size:
+                raise PipelineError(
+                    f"checkpoint {path} was saved by {saved_world} DeepSpeed ranks, this job has "
+                    f"{env.world_size}: ZeRO partitions do not reshard on load. Convert it with "
+                    f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/ds "
+                    "--output_folder <dir>` and load that (DeepSpeed's universal checkpoint), "
+                    f"or run on {saved_world} processes; fsdp runs reshard automatically"
+                )
             trainer = ck.TrainerState.from_json(read_json(path / "trainer.json"))
             engine.load(path, {"scheduler": trainer.scheduler})
             loader.load_state_dict(trainer.loader)
-            if read_json(path / ck.MANIFEST).get("world_size") == env.world_size:
+            if saved_world == env.world_size:
                 ck.load_rng(path, env.rank)
             state = trainer
             rec.event("start", resumed_from=state.step, checkpoint=path.name)
@@ -170,13 +187,22 @@ def run(run_dir: Path, data_dir: Path) -> int:
         log.info("rank %d: starting at step %d of %d", env.rank, state.step, t.max_steps)
 
         stop = StopRequest(run_dir)
+        # Audit trail of the data order (which global sequence indices each rank consumed).
+        samples = (
+            (run_dir / f"samples-rank{env.rank:05d}.jsonl").open("a", buffering=1)
+            if t.record_samples
+            else None
+        )
         peak = peak_flops(device)
         tokens_per_step = run_cfg.global_batch_size * run_cfg.data.seq_len
         while state.step < t.max_steps:
             t0 = time.perf_counter()
-            micro = [
-                loader.next_batch()["input_ids"].to(device) for _ in range(t.grad_accum)
-            ]
+            batches = [loader.next_batch() for _ in range(t.grad_accum)]
+            micro = [b["input_ids"].to(device) for b in batches]
+            if samples is not None:
+                samples.write(json.dumps(
+                    {"step": state.step + 1, "indices": [int(i) for b in batches for i in b["indices"]]}
+                ) + "\n")
             res = engine.train_step(micro)
             loss = torch.tensor([res.loss], device=device)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG if backend == "nccl" else dist.ReduceOp.SUM)
@@ -207,7 +233,9 @@ def run(run_dir: Path, data_dir: Path) -> int:
             stopping = stop.agreed(device)
             if stopping or state.step % t.checkpoint_every == 0 or state.step == t.max_steps:
                 state.loader = loader.state_dict()
+                t_save = time.perf_counter()
                 _save(engine, root, state, run_cfg, chash, data_hash, env)
+                rec.event("save", step=state.step, seconds=time.perf_counter() - t_save)
             if stopping and state.step < t.max_steps:
                 rec.event("stop", step=state.step)
                 if env.rank == 0:
