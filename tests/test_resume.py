@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import PY, REPO, subprocess_env
+from tests.conftest import PY, subprocess_env
 
 pytestmark = pytest.mark.slow
 
