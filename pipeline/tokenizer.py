@@ -5,6 +5,7 @@ CLI::
     python -m pipeline.tokenizer train --input PATH_OR_GLOB... --vocab-size N --out DIR
         [--format txt|jsonl|parquet] [--text-field F] [--doc-split file|blank-line]
         [--max-bytes N] [--special-token TOK ...] [--bos-token TOK] [--min-frequency N]
+    python -m pipeline.tokenizer import --path DIR_OR_TOKENIZER_JSON --out DIR
     python -m pipeline.tokenizer fingerprint DIR
 
 The trained directory holds ``tokenizer.json``, ``tokenizer_config.json`` and
@@ -489,6 +490,51 @@ def train_tokenizer(
     return out
 
 
+def import_tokenizer(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Copy a local HF tokenizer (directory or ``tokenizer.json``) into ``out_dir``.
+
+    It must load with ``tokenizers`` and have an EOS token. ``tokenizer.json`` is copied byte for
+    byte (so the fingerprint is the source's); ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` are copied when present, else written from what was detected.
+    Written atomically (temporary sibling directory, then rename).
+    """
+    import shutil
+
+    info = tokenizer_info(path)  # validates: loads, has an EOS
+    src_dir = info.path.parent
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    shutil.copyfile(info.path, tmp / "tokenizer.json")
+    copied_cfg = False
+    if Path(path).is_dir():
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (src_dir / name).is_file():
+                shutil.copyfile(src_dir / name, tmp / name)
+                copied_cfg = copied_cfg or name == "tokenizer_config.json"
+    if not copied_cfg:
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": info.eos_token,
+            "pad_token": info.eos_token,
+            "clean_up_tokenization_spaces": False,
+        }
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(cfg, indent=2) + "\n", encoding="utf-8"
+        )
+    if not (tmp / "special_tokens_map.json").is_file():
+        m = {"eos_token": info.eos_token, "pad_token": info.eos_token}
+        (tmp / "special_tokens_map.json").write_text(
+            json.dumps(m, indent=2) + "\n", encoding="utf-8"
+        )
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from pipeline.tokenize.sources import SourceSpec, iter_texts
 
@@ -548,12 +594,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--special-token", action="append", help="extra special token (repeatable)")
     tr.add_argument("--bos-token", default=None, help="add this BOS token (default: none)")
     tr.add_argument("--min-frequency", type=int, default=2)
+    im = sub.add_parser("import", help="copy a local HF tokenizer dir or tokenizer.json into --out")
+    im.add_argument("--path", required=True, help="HF tokenizer directory or tokenizer.json")
+    im.add_argument("--out", required=True, help="output tokenizer directory")
     fp = sub.add_parser("fingerprint", help="print the sha256 fingerprint of a tokenizer")
     fp.add_argument("path")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "train":
             return _cmd_train(args)
+        if args.cmd == "import":
+            out = import_tokenizer(args.path, args.out)
+            info = tokenizer_info(out)
+            print(
+                json.dumps(
+                    {
+                        "out": str(out),
+                        "vocab_size": info.vocab_size,
+                        "eos_id": info.eos_id,
+                        "fingerprint": info.fingerprint,
+                    }
+                )
+            )
+            return 0
         print(fingerprint(args.path))
         return 0
     except PipelineError as e:

@@ -218,3 +218,30 @@ def test_cli_train_from_jsonl(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["vocab_size"] == 400 and report["fingerprint"] == fingerprint(out)
+
+
+def test_import_a_local_tokenizer(tok_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # A bare tokenizer.json (no config): EOS detected, config written.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tmp_path / "src" / "tokenizer.json"),
+         "--out", str(tmp_path / "a")],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fingerprint"] == fingerprint(tok_dir)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    assert hf.eos_token == EOS_TOKEN
+    # A whole directory keeps its own config (here: the BOS token).
+    from pipeline.tokenizer import import_tokenizer
+
+    out = import_tokenizer(tok_dir, tmp_path / "b")
+    assert tokenizer_info(out, bos=True).bos_token == "<|startoftext|>"
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tmp_path / "none"), "--out", str(tmp_path / "c")],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "c").exists()
