@@ -21,12 +21,41 @@ import torch
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, write_json_atomic, write_text_atomic
 
+# No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
+PROMPTS = ("def", "import", "class", "The")
+
+
+def token_byte_lengths(tokenizer: Any) -> np.ndarray:
+    """UTF-8 bytes of text each token id stands for (0 for special tokens).
+
+    Byte-level BPE tokens are byte strings spelled in GPT-2's printable alphabet; mapping them
+    back gives exact byte counts even for tokens that split a multi-byte character (decoding a
+    single such token would yield U+FFFD instead).
+    """
+    from pipeline.tokenizer import _byte_decoder
+
+    to_byte = _byte_decoder()
+    special = set(tokenizer.all_special_ids)
+    sizes = np.zeros(len(tokenizer), dtype=np.int64)
+    for tid in range(len(tokenizer)):
+        if tid in special:
+            continue
+        piece = tokenizer.convert_ids_to_tokens(tid)
+        if piece is not None and all(ch in to_byte for ch in piece):
+            sizes[tid] = len(piece)
+        else:  # not byte-level (e.g. a SentencePiece tokenizer): decode it
+            sizes[tid] = len(tokenizer.decode([tid]).encode("utf-8"))
+    return sizes
+
 
 @torch.no_grad()
-def perplexity(model: Any, sequences: np.ndarray, batch_size: int = 16) -> dict[str, float]:
-    """Token-weighted mean loss and perplexity over packed sequences (labels = inputs, shifted)."""
+def perplexity(
+    model: Any, sequences: np.ndarray, byte_lengths: np.ndarray | None = None, batch_size: int = 16
+) -> dict[str, float]:
+    """Token-weighted mean loss, perplexity and bits per byte over packed sequences."""
     total_loss = 0.0
     total_tokens = 0
+    total_bytes = 0
     for i in range(0, len(sequences), batch_size):
         ids = torch.from_numpy(sequences[i : i + batch_size].astype(np.int64))
         logits = model(input_ids=ids).logits.float()
@@ -35,10 +64,17 @@ def perplexity(model: Any, sequences: np.ndarray, batch_size: int = 16) -> dict[
         )
         total_loss += loss.item()
         total_tokens += ids[:, 1:].numel()
+        if byte_lengths is not None:
+            total_bytes += int(byte_lengths[ids[:, 1:].numpy()].sum())
     if total_tokens == 0:
         raise PipelineError("the validation split is empty: raise data.val_fraction")
     mean = total_loss / total_tokens
-    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
+    out = {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens}
+    if total_bytes:
+        # Bits per byte: the tokenizer-independent figure (nats → bits, per byte of text).
+        out["bits_per_byte"] = total_loss / math.log(2) / total_bytes
+        out["bytes"] = total_bytes
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -90,13 +126,16 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path) -> dict[
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     val = PackedDataset(data_dir, split="validation")
     seqs = np.stack([val[i] for i in range(len(val))]) if len(val) else np.zeros((0, 2), np.int32)
-    result = perplexity(model, seqs)
+    result = perplexity(model, seqs, token_byte_lengths(tokenizer))
     origin = read_json(model_dir / "zerosnake.json")
     records = read_metrics(run_dir / "metrics.jsonl")
-    prompt = "def "
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    torch.manual_seed(0)
-    sample = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    samples = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out_ids = model.generate(
+            ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+        samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0])})
     metrics = {
         **result,
         "vocab_size": model.config.vocab_size,
@@ -104,7 +143,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path) -> dict[
         "step": origin["step"],
         "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
         "final_train_loss": records[-1]["loss"] if records else None,
-        "samples": [{"prompt": prompt, "text": tokenizer.decode(sample[0])}],
+        "samples": samples,
     }
     write_json_atomic(out / "metrics.json", metrics)
     plot_training(records, out / "loss.png", result["loss"])
@@ -118,7 +157,8 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
         f"# Run `{run}`",
         "",
         f"- Validation perplexity **{m['perplexity']:.2f}** (loss {m['loss']:.4f} over "
-        f"{m['tokens']} tokens; vocabulary {m['vocab_size']})",
+        f"{m['tokens']} tokens; vocabulary {m['vocab_size']})"
+        + (f", {m['bits_per_byte']:.3f} bits per byte" if "bits_per_byte" in m else ""),
         f"- Final training loss {m['final_train_loss']:.4f} at step {m['step']}"
         if m["final_train_loss"] is not None
         else f"- Step {m['step']}",
@@ -126,13 +166,11 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
         "",
         "![training curves](loss.png)",
         "",
-        "## Sample",
-        "",
-        "```",
-        m["samples"][0]["text"],
-        "```",
+        "## Samples (greedy)",
         "",
     ]
+    for sample in m["samples"]:
+        lines += ["```", sample["text"], "```", ""]
     return "\n".join(lines)
 
 

@@ -83,17 +83,25 @@ def _device(run: RunConfig, env: RankEnv) -> torch.device:
 
 
 class _Recorder:
-    """Rank 0's append-only logs: metrics.jsonl (one line per step) and events.jsonl."""
+    """Rank 0's logs: metrics.jsonl (one line per step), events.jsonl, and TensorBoard (tb/)."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.on = rank == 0
         self.metrics = run_dir / "metrics.jsonl"
         self.events = run_dir / "events.jsonl"
         self.attempt = 1
+        self.tb = None
         if self.on and self.events.exists():
             self.attempt += sum(
                 1 for line in self.events.read_text().splitlines() if '"event": "start"' in line
             )
+        if self.on:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional for the loop; metrics.jsonl is not
+                log.warning("tensorboard is not installed: writing metrics.jsonl only")
+            else:
+                self.tb = SummaryWriter(str(run_dir / "tb"))
 
     def _append(self, path: Path, rec: dict[str, Any]) -> None:
         if self.on:
@@ -105,6 +113,14 @@ class _Recorder:
 
     def step(self, rec: dict[str, Any]) -> None:
         self._append(self.metrics, {**rec, "attempt": self.attempt})
+        if self.tb is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
 
 def run(run_dir: Path, data_dir: Path) -> int:
@@ -117,6 +133,7 @@ def run(run_dir: Path, data_dir: Path) -> int:
     device = _device(run_cfg, env)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
+    rec: _Recorder | None = None
     try:
         if dist.get_world_size() != run_cfg.world_size:
             raise PipelineError(
@@ -254,6 +271,8 @@ def run(run_dir: Path, data_dir: Path) -> int:
         rec.event("finish", step=state.step)
         return 0
     finally:
+        if rec is not None:
+            rec.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
