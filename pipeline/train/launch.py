@@ -158,13 +158,15 @@ def requeues_of(run_dir: Path, job_id: str, reason: str) -> int:
 
 
 def measured_save_seconds(run_dir: Path) -> float | None:
-    """The longest checkpoint save seen for this run, from the launcher's records of stop
-    requests (signal → ranks exited) and from the checkpoint folders themselves (first file
-    written → manifest time). None when nothing was saved yet."""
-    found: list[float] = [
-        float(e["save_s"]) for e in read_events(run_dir)
-        if e.get("event") == "launch.saved" and e.get("save_s") is not None
-    ]
+    """The longest checkpoint save seen for this run, from the ranks' ``save`` events and from
+    the checkpoint folders themselves (first file written → manifest time). None when nothing
+    was saved yet."""
+    found: list[float] = []
+    for e in read_events(run_dir):
+        if e.get("event") == "save" and e.get("seconds") is not None:  # the ranks' own timing
+            found.append(float(e["seconds"]))
+    # (launch.saved's save_s also counts the wait for the current step and for start-up when
+    # the signal came early: it is reported, not used here.)
     root = run_dir / "checkpoints"
     if root.is_dir():
         for ck in root.glob("step-*"):
@@ -294,8 +296,9 @@ class NodeTask(submitit.helpers.Checkpointable):
             raise PipelineError(f"job has {node.nnodes} nodes, the plan {self.nnodes}")
         run_dir = Path(self.run_dir)
         host = socket.gethostname()
+        started = time.time()
         self._node_record(host=host, node_rank=node.node_rank, restart=node.restart_count,
-                          job_id=node.job_id, start=time.time(), rc=None)
+                          job_id=node.job_id, start=started, rc=None)
         if node.node_rank == 0:
             append_event(run_dir, "launch.attempt", job_id=node.job_id,
                          restart=node.restart_count, host=host, nnodes=node.nnodes)
@@ -315,14 +318,30 @@ class NodeTask(submitit.helpers.Checkpointable):
             if done.exists():
                 return read_json(done)
             raise RuntimeError("torchrun exited 0 but train.done is missing")
-        if rc == EXIT_REQUEUE:
-            # The ranks stopped on request. On the head node with a signal, checkpoint() takes
-            # over (it runs in this process); a STOP file put there by a user ends the job.
-            stopped = run_dir / "stopped.json"
-            return {"stopped": read_json(stopped) if stopped.exists() else None}
+        # torchrun reports a rank's EXIT_REQUEUE as a failure (its own exit status is 1): a
+        # stop request is recognized by the stopped.json rank 0 writes after the save.
+        stopped = self._fresh_stopped(started, wait_s=10 if rc != EXIT_REQUEUE else 0)
+        if stopped is not None:
+            # With a signal, checkpoint() takes over on the head node (it runs in this
+            # process); a STOP file put there by a user ends the job here.
+            return {"stopped": stopped}
         if node.node_rank != 0:
             raise RuntimeError(f"torchrun exited with status {rc} on {host}")
         return self._on_failure(node, rc)
+
+    def _fresh_stopped(self, since: float, wait_s: float = 0) -> dict[str, Any] | None:
+        """stopped.json if rank 0 wrote it after ``since`` (an older one is a past attempt's)."""
+        path = Path(self.run_dir) / "stopped.json"
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if path.stat().st_mtime >= since - 1:
+                    return read_json(path)
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
 
     def _on_failure(self, node: NodeEnv, rc: int) -> dict[str, Any]:
         """Head node, torchrun failed: requeue from the last complete checkpoint (bounded)."""
@@ -413,14 +432,25 @@ class NodeTask(submitit.helpers.Checkpointable):
         append_event(run_dir, "launch.signal", job_id=job_id, cause=cause, time_left_s=left,
                      restart=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
         rc = None
+        stopped = None
         if self._proc is not None:
-            # Leave a few seconds of the lead time to requeue; a save that overruns is cut.
-            rc = self._poll(timeout=max(self.policy.signal_delay_s - 5, 10))
-            if rc is None:
+            # Wait until the ranks have saved (rank 0 writes stopped.json after the last
+            # barrier of the save), not until torchrun has exited: its shutdown after a rank's
+            # non-zero exit takes seconds that the requeue does not need. A save that overruns
+            # the lead time (less a few seconds to requeue) is cut short.
+            deadline = time.monotonic() + max(self.policy.signal_delay_s - 5, 10)
+            while stopped is None and time.monotonic() < deadline:
+                stopped = self._fresh_stopped(t0)
+                rc = self._proc.poll()
+                if rc is not None:
+                    stopped = self._fresh_stopped(t0, wait_s=2)
+                    break
+                time.sleep(0.1)
+            if stopped is None and rc is None:
                 self._proc.send_signal(signal.SIGTERM)
-                rc = self._poll(timeout=5)
         append_event(run_dir, "launch.saved", job_id=job_id, save_s=round(time.time() - t0, 3),
-                     rc=rc, checkpoint=latest_checkpoint(run_dir))
+                     rc=rc, stopped_at=(stopped or {}).get("step"),
+                     checkpoint=latest_checkpoint(run_dir))
         (run_dir / STOP_FILE).unlink(missing_ok=True)
         budget = self.policy.max_requeues if cause == "timeout" else self.policy.max_preemptions
         used = requeues_of(run_dir, job_id, cause)
