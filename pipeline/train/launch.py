@@ -397,8 +397,12 @@ class NodeTask(submitit.helpers.Checkpointable):
             # submitit ignores the SIGTERM of the requeue, so this process lives until SIGKILL.
             subprocess.run(["scontrol", "update", f"JobId={node.job_id}",
                             f"ExcNodeList={','.join(exclude + new)}"], check=False, timeout=60)
-        time.sleep(600)  # Slurm ends this attempt; returning would record a result
-        raise RuntimeError("requeued, but this attempt was not ended by Slurm")
+        # Leave at once, without a result: returning or raising would write one for an attempt
+        # that is being replaced, and waiting for Slurm's kill costs KillWait (submitit ignores
+        # the requeue's SIGTERM) before the job can start again.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_REQUEUE)
 
     def _excluded(self, run_dir: Path, job_id: str) -> list[str]:
         assert self.policy is not None

@@ -295,6 +295,12 @@ def test_snakemake_slurm_profile_end_to_end(slurm_cluster: slurmcluster.ClusterI
     job = json.loads((run_dir / "job.json").read_text())
     assert h.squeue(job["job_id"], "%T").strip() == "COMPLETED"
     assert len({n["host"] for n in h.node_records(run_dir)}) == 2
+    # The status table reads the same artifacts and Slurm's state.
+    table = h.run([h.PY, "-m", "pipeline.status", "--results", str(work / "results")],
+                  timeout=60).stdout.splitlines()
+    assert table[0].split()[:4] == ["run", "stage", "job", "slurm"]
+    assert table[1].split()[:5] == ["r", "evaluated", job["job_id"], "COMPLETED", "20/20"]
+    assert table[1].split()[6] == "step-000020"
     # A single-stage rerun: evaluate again, nothing upstream.
     done_mtime = (run_dir / "train.done").stat().st_mtime
     eval_mtime = (run_dir / "eval" / "metrics.json").stat().st_mtime
