@@ -1,19 +1,47 @@
-"""The consolidate stage: a run's last sharded checkpoint → an HF model directory.
+"""The consolidate stage: a run's last sharded checkpoint → an HF model directory, streaming.
 
 ``python -m pipeline.consolidate --run-dir results/runs/NAME --data-dir results/data --out
 results/runs/NAME/hf`` reads the checkpoint named in ``train.done`` (verifying its manifest),
-gathers the full fp32 weights, and writes ``config.json``, ``generation_config.json``,
-safetensors (sharded above ``--max-shard-size``) and the tokenizer files, so that
+and writes ``config.json``, ``generation_config.json``, safetensors (split into shards with
+``model.safetensors.index.json`` above ``--max-shard-size``) and the tokenizer files, so that
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it offline.
+
+Streaming: the full model never exists in memory. Tensor names, shapes and dtypes are known
+before any weight is read (DCP metadata; DeepSpeed's ``param_shapes``), so every safetensors
+header is written first and then each tensor is read, converted and appended on its own. Peak
+memory is about one fp32 tensor, its converted copy and one source chunk (≤ 2× the largest
+tensor), plus a constant (imports, small tensors grouped up to ``GROUP_BYTES``).
+
+* FSDP2 (DCP): ``dcp.load(..., no_dist=True)`` of one tensor (or a small group) at a time;
+  DCP's reader seeks to each chunk of the tensor in the ``.distcp`` files.
+* DeepSpeed ZeRO 1/2 (also bf16): the fp32 master weights are the ranks' flat
+  ``single_partition_of_fp32_groups``; their concatenation over ranks is the flat group, where
+  parameters lie in ``param_shapes`` order with ``param_alignment_paddings`` between them.
+* DeepSpeed ZeRO-3: every parameter is split into ``ceil(n / world)`` elements per rank, at the
+  same offset in each rank's concatenated ``fp32_flat_groups``.
+* DeepSpeed ZeRO-0: the module weights (fp32), or the optimizer's ``fp32_groups`` (bf16/fp16).
+
+The rank files are memory-mapped (``torch.load(mmap=True)``), so the Adam moments in them are
+never read; the pages of master weights already copied are handed back with
+``madvise(MADV_DONTNEED)``, because a file mapping's resident pages count in the process's RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
+import math
+import mmap
+import os
+import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,44 +59,484 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+#: Small tensors are read from DCP in groups up to this many bytes (one ``dcp.load`` call has
+#: a fixed cost: planning and re-reading the metadata); part of the "constant" in the bound.
+GROUP_BYTES = 64 * 2**20
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor of the source checkpoint, before it is read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Source:
+    """A checkpoint's model tensors by HF name, readable one at a time."""
+
+    tensors: dict[str, TensorInfo]
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` for ``names`` in order; each tensor is freshly allocated."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2: torch.distributed.checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+class DCPSource(Source):
+    """The ``model.*`` tensors of a DCP checkpoint (saved as ``{"model": msd, "optim": osd}``)."""
+
+    PREFIX = "model."
+
+    def __init__(self, dcp_dir: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self._dcp = dcp
+        self.dir = dcp_dir
+        meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        self.tensors = {
+            key.removeprefix(self.PREFIX): TensorInfo(tuple(info.size), info.properties.dtype)
+            for key, info in meta.state_dict_metadata.items()
+            if key.startswith(self.PREFIX) and isinstance(info, TensorStorageMetadata)
+        }
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        group: list[str] = []
+        size = 0
+        for name in names:
+            info = self.tensors[name]
+            nbytes = info.numel * info.dtype.itemsize
+            if group and size + nbytes > GROUP_BYTES:
+                yield from self._load(group)
+                group, size = [], 0
+            group.append(name)
+            size += nbytes
+        if group:
+            yield from self._load(group)
+
+    def _load(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        state = {
+            self.PREFIX + n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype)
+            for n in names
+        }
+        # A fresh reader per call: FileSystemReader keeps per-load state (the storage index).
+        self._dcp.load(state, storage_reader=self._dcp.FileSystemReader(str(self.dir)), no_dist=True)
+        for n in names:
+            yield n, state.pop(self.PREFIX + n)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed
+# --------------------------------------------------------------------------------------------
+
+
+class _DeepSpeedObject:
+    """Inert stand-in for DeepSpeed's bookkeeping classes inside its checkpoint pickles.
+
+    DeepSpeed's optimizer files pickle a few of its own objects (``LossScaler``,
+    ``ZeroStageEnum``, ``fragment_address``) next to the tensors. ``torch.load(weights_only=True)``
+    refuses unknown classes; rather than ``weights_only=False`` (which would run whatever the
+    pickle names), every ``deepspeed.*`` global is mapped to this class, which only records
+    its arguments and state. We read nothing but tensors, ints and shapes from these files.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _load_ds_file(path: Path) -> dict[str, Any]:
+    """A DeepSpeed ``*.pt`` file, memory-mapped, with ``weights_only=True``."""
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    foreign = [g for g in unsafe if not g.startswith("deepspeed.")]
+    if foreign:
+        raise PipelineError(f"{path} pickles objects that are not DeepSpeed's: {foreign[:5]}")
+    with torch.serialization.safe_globals([(_DeepSpeedObject, g) for g in unsafe]):
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+class _PageDropper:
+    """Hands back the resident pages of memory-mapped checkpoint files once they were copied.
+
+    ``madvise(MADV_DONTNEED)`` on a private file mapping that was never written only drops the
+    process's page-table entries: touching the pages again re-reads the file, so no data can
+    change (a neighbouring tensor sharing a page is simply re-read). On anonymous memory the
+    same call would zero the pages, so it is issued only for address ranges that
+    ``/proc/self/maps`` shows as mappings of the checkpoint's own files (Linux; elsewhere this
+    does nothing and the bound on memory is looser).
+    """
+
+    MADV_DONTNEED = 4
+
+    def __init__(self, files: list[Path]) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.libc: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        names = {str(f.resolve()) for f in files}
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") in names:
+                    a, b = (int(x, 16) for x in parts[0].split("-"))
+                    self.ranges.append((a, b))
+        if self.ranges:
+            self.libc = ctypes.CDLL(None, use_errno=True)
+            self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def __call__(self, t: torch.Tensor) -> None:
+        if self.libc is None or t.numel() == 0:
+            return
+        page = mmap.PAGESIZE
+        start = t.data_ptr() // page * page
+        end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+        if any(a <= start and end <= b for a, b in self.ranges):
+            self.libc.madvise(start, end - start, self.MADV_DONTNEED)
+
+
+def _copy_range(
+    parts: list[torch.Tensor],
+    starts: list[int],
+    lo: int,
+    hi: int,
+    dst: torch.Tensor,
+    release: _PageDropper,
+) -> None:
+    """Copy elements [lo, hi) of the virtual concatenation of ``parts`` into ``dst``."""
+    for part, start in zip(parts, starts, strict=True):
+        a, b = max(lo, start), min(hi, start + part.numel())
+        if a < b:
+            src = part[a - start : b - start]
+            dst[a - lo : b - lo].copy_(src)
+            release(src)
+
+
+_OPTIM_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+class DeepSpeedSource(Source):
+    """The fp32 master weights of a DeepSpeed checkpoint folder (``ds/``), ZeRO 0–3."""
+
+    def __init__(self, ds_dir: Path) -> None:
+        self.dir = ds_dir
+        optim_files: list[tuple[int, Path]] = []
+        for f in ds_dir.iterdir():
+            m = _OPTIM_RE.search(f.name)
+            if m:
+                if int(m.group(2)) != 0:
+                    raise PipelineError(
+                        f"{f.name}: tensor/pipeline-parallel DeepSpeed checkpoints (mp_rank > 0) "
+                        "cannot be consolidated here; convert with DeepSpeed's ds_to_universal.py"
+                    )
+                optim_files.append((int(m.group(1)), f))
+        optim_files.sort()
+        if [r for r, _ in optim_files] != list(range(len(optim_files))):
+            raise PipelineError(f"{ds_dir}: optimizer files of ranks {[r for r, _ in optim_files]}")
+        model_file = ds_dir / "mp_rank_00_model_states.pt"
+        if not model_file.is_file():
+            model_file = ds_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        if not model_file.is_file():
+            raise PipelineError(f"{ds_dir} has no DeepSpeed model states file")
+        self.model_states = _load_ds_file(model_file)
+        self.module: dict[str, torch.Tensor] = self.model_states["module"]
+        self.buffers = set(self.model_states.get("buffer_names") or ())
+        self.shared: dict[str, str] = dict(self.model_states.get("shared_params") or {})
+        if self.model_states.get("frozen_param_shapes"):
+            raise PipelineError(
+                f"{ds_dir}: frozen parameters are not supported by this consolidation "
+                f"({list(self.model_states['frozen_param_shapes'])[:3]})"
+            )
+        # name → how to read it: ("module", None) | ("z12", (group, offset, numel))
+        #                        | ("z3", (offset, per_rank_numel)) | ("fp32", tensor)
+        self.where: dict[str, tuple[str, Any]] = {}
+        self.tensors = {}
+        if optim_files:
+            self.optim = [_load_ds_file(f)["optimizer_state_dict"] for _, f in optim_files]
+            self._index_partitions(len(optim_files))
+        else:
+            self._index_stage0()
+        self.release = _PageDropper([model_file] + [f for _, f in optim_files])
+        for name in self.buffers:
+            t = self.module[name]
+            self.tensors[name] = TensorInfo(tuple(t.shape), t.dtype)
+            self.where[name] = ("module", None)
+        for alias, target in self.shared.items():
+            if target in self.tensors:
+                self.tensors[alias] = self.tensors[target]
+                self.where[alias] = self.where[target]
+
+    def _index_partitions(self, world: int) -> None:
+        opt0 = self.optim[0]
+        counts = opt0["partition_count"]
+        expect = max(counts) if isinstance(counts, list) else counts
+        if expect != world:
+            raise PipelineError(
+                f"{self.dir}: the checkpoint was saved by {expect} ranks but holds {world} "
+                "optimizer files (a partial or mixed checkpoint)"
+            )
+        shapes: list[dict[str, Any]] = self.model_states["param_shapes"]
+        if "fp32_flat_groups" in opt0:  # ZeRO-3
+            self.flat = [o["fp32_flat_groups"] for o in self.optim]
+            self.starts = [0]
+            for t in self.flat[0][:-1]:
+                self.starts.append(self.starts[-1] + t.numel())
+            offset = 0
+            for group in shapes:
+                for name, shape in group.items():
+                    n = math.prod(shape)
+                    per_rank = -(-n // world)
+                    self.tensors[name] = TensorInfo(tuple(shape), torch.float32)
+                    self.where[name] = ("z3", (offset, per_rank))
+                    offset += per_rank
+            have = sum(t.numel() for t in self.flat[0])
+            if offset != have:
+                raise PipelineError(f"{self.dir}: ZeRO-3 partitions hold {have} elements, {offset} expected")
+            return
+        # ZeRO 1/2 (and DeepSpeed's bf16 optimizer): one flat partition per group and rank.
+        self.flat = [o["single_partition_of_fp32_groups"] for o in self.optim]
+        paddings = opt0.get("param_alignment_paddings")
+        for g, group in enumerate(shapes):
+            size = self.flat[0][g].numel()
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                n = math.prod(shape)
+                self.tensors[name] = TensorInfo(tuple(shape), torch.float32)
+                self.where[name] = ("z12", (g, offset, n))
+                offset += n + (paddings[g][i] if paddings is not None else 0)
+            if offset > size * world:
+                raise PipelineError(
+                    f"{self.dir}: group {g} needs {offset} elements, the partitions hold {size * world}"
+                )
+
+    def _index_stage0(self) -> None:
+        params = [(k, v) for k, v in self.module.items() if k not in self.buffers]
+        opt = self.model_states.get("optimizer") or {}
+        master = opt.get("fp32_groups")
+        if all(v.dtype == torch.float32 for _, v in params):
+            for k, v in params:
+                self.tensors[k] = TensorInfo(tuple(v.shape), v.dtype)
+                self.where[k] = ("module", None)
+            return
+        if master is None:
+            raise PipelineError(
+                f"{self.dir}: ZeRO-0 checkpoint with {params[0][1].dtype} weights and no fp32 "
+                "master copy; refusing to write rounded weights as the trained model"
+            )
+        # bf16/fp16 at ZeRO-0: the optimizer keeps fp32 copies in the parameters' order,
+        # tied parameters once (they share a storage in the module state dict).
+        seen: dict[int, str] = {}
+        unique: list[tuple[str, torch.Tensor]] = []
+        for k, v in params:
+            ptr = v.untyped_storage().data_ptr()
+            if ptr in seen and v.numel():
+                self.shared[k] = seen[ptr]
+                continue
+            seen[ptr] = k
+            unique.append((k, v))
+        flat_master = [t for group in master for t in group]
+        if len(flat_master) != len(unique) or any(
+            tuple(m.shape) != tuple(v.shape) for m, (_, v) in zip(flat_master, unique, strict=True)
+        ):
+            raise PipelineError(f"{self.dir}: ZeRO-0 fp32 master weights do not line up with the module")
+        for (k, v), m in zip(unique, flat_master, strict=True):
+            self.tensors[k] = TensorInfo(tuple(v.shape), torch.float32)
+            self.where[k] = ("fp32", m)
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield name, self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        kind, loc = self.where[name]
+        if kind in ("module", "fp32"):
+            src = self.module[name] if kind == "module" else loc
+            out = src.clone()
+            self.release(src)
+            return out
+        out = torch.empty(info.numel, dtype=torch.float32)
+        if kind == "z12":
+            g, offset, n = loc
+            parts = [ranks[g] for ranks in self.flat]
+            size = parts[0].numel()
+            _copy_range(
+                parts, [r * size for r in range(len(parts))], offset, offset + n, out, self.release
+            )
+        else:
+            offset, per_rank = loc
+            for r, groups in enumerate(self.flat):
+                n = min(per_rank, info.numel - r * per_rank)
+                if n > 0:
+                    dst = out[r * per_rank : r * per_rank + n]
+                    _copy_range(groups, self.starts, offset, offset + n, dst, self.release)
+        return out.view(info.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Whole-state readers (in memory; for tests and small models)
+# --------------------------------------------------------------------------------------------
 
 
 def load_dcp_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full model tensors from an FSDP2 DCP checkpoint, in one process with no process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(ckpt / "dcp"))
-    meta = reader.read_metadata()
-    state: dict[str, torch.Tensor] = {}
-    for key, info in meta.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(info, TensorStorageMetadata):
-            state[key] = torch.empty(info.size, dtype=info.properties.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    """Every model tensor of an FSDP2 checkpoint folder, in memory (names without ``model.``)."""
+    src = DCPSource(ckpt / "dcp")
+    return dict(src.read(list(src.tensors)))
 
 
-def load_deepspeed_model_state(ckpt: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full fp32 model tensors from a DeepSpeed checkpoint (ZeRO 0–3)."""
-    if zero_stage == 0:
-        # Stage 0 has no partitioned optimizer files for zero_to_fp32 to read; the module
-        # states file holds the whole model. It is a pickle of DeepSpeed's own objects, so
-        # weights_only=True cannot load it; it is our own checkpoint, verified by sha256 above.
-        states = torch.load(
-            ckpt / "ds" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+def load_deepspeed_model_state(ckpt: Path, zero_stage: int | None = None) -> dict[str, torch.Tensor]:
+    """Every fp32 model tensor of a DeepSpeed checkpoint folder (ZeRO 0–3), in memory.
+
+    ``zero_stage`` is accepted for compatibility; the layout is read from the files themselves.
+    """
+    src = DeepSpeedSource(ckpt / "ds")
+    return dict(src.read(list(src.tensors)))
+
+
+def open_source(ckpt: Path) -> Source:
+    """The model tensors of a checkpoint folder of either engine."""
+    if (ckpt / "ds").is_dir():
+        return DeepSpeedSource(ckpt / "ds")
+    if (ckpt / "dcp").is_dir():
+        return DCPSource(ckpt / "dcp")
+    raise PipelineError(f"{ckpt} holds neither a dcp/ nor a ds/ folder")
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors, written incrementally
+# --------------------------------------------------------------------------------------------
+
+
+def parse_size(size: str | int) -> int:
+    """``"2GB"`` → 2·10⁹, ``"500MiB"`` → 500·2²⁰, ``1000`` → 1000 (transformers' convention)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", size, re.IGNORECASE)
+    if not m:
+        raise PipelineError(f"--max-shard-size: {size!r} is not a size such as 2GB or 500MiB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def plan_shards(sizes: dict[str, int], cap: int) -> list[list[str]]:
+    """Split tensors (in order) into shards of at most ``cap`` bytes; a bigger one stands alone."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and used + nbytes > cap:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards
+
+
+def _header(names: list[str], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        nbytes = math.prod(shapes[name]) * dtypes[name].itemsize
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtypes[name]],
+            "shape": list(shapes[name]),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned (safetensors spec)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors(
+    out: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    max_shard_size: int,
+) -> list[str]:
+    """Write ``tensors`` (arriving one at a time, in ``shapes``' order) as HF safetensors shards.
+
+    Headers come from ``shapes``/``dtypes`` up front, so each tensor is written and dropped as
+    it arrives. Returns the files written; writes ``model.safetensors.index.json`` when split.
+    """
+    sizes = {n: math.prod(s) * dtypes[n].itemsize for n, s in shapes.items()}
+    shards = plan_shards(sizes, max_shard_size)
+    if len(shards) == 1:
+        files = [SINGLE_FILE]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    it = iter(tensors)
+    for fname, names in zip(files, shards, strict=True):
+        with open(out / fname, "wb") as f:
+            f.write(_header(names, shapes, dtypes))
+            for name in names:
+                got, t = next(it)
+                if got != name or tuple(t.shape) != shapes[name] or t.dtype != dtypes[name]:
+                    raise PipelineError(
+                        f"internal: expected {name} {shapes[name]} {dtypes[name]}, "
+                        f"got {got} {tuple(t.shape)} {t.dtype}"
+                    )
+                # Raw little-endian bytes, no copy (safetensors stores C-order data).
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+    if len(files) > 1:
+        weight_map = {n: fname for fname, names in zip(files, shards, strict=True) for n in names}
+        write_json_atomic(
+            out / INDEX_FILE,
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
         )
-        return {k: v.float() for k, v in states["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return files
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="ds")
+
+# --------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------
+
+
+def _converted(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in tensors:
+        yield name, t.to(dtypes[name])
 
 
 def consolidate(
     run_dir: Path, data_dir: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "2GB"
 ) -> Path:
     """Write the HF directory for the run's final checkpoint; returns ``out``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
+    if dtype not in DTYPES:
+        raise PipelineError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    cap = parse_size(max_shard_size)
     done_file = run_dir / "train.done"
     if not done_file.is_file():
         raise PipelineError(f"{done_file} is missing: train the run before consolidating it")
@@ -80,41 +548,59 @@ def consolidate(
     run = load_run_config(run_dir / "config.json")
     manifest = read_json(data_dir / "manifest.json")
     tok = manifest["tokenizer"]
-    if meta["backend"] == "deepspeed":
-        state = load_deepspeed_model_state(ckpt, meta["zero_stage"])
-    else:
-        state = load_dcp_model_state(ckpt)
 
     if run.model.init_from:
-        config = LlamaConfig.from_pretrained(run.model.init_from)
+        config = AutoConfig.from_pretrained(run.model.init_from)
     else:
         config = LlamaConfig(
             **hf_config_dict(
                 run.model, vocab_size=tok["vocab_size"], eos_id=tok["eos_id"], bos_id=tok.get("bos_id")
             )
         )
-    config.use_cache = True  # training turned it off; inference wants it
+    # The model on the meta device: the names and shapes the HF directory must hold (no memory).
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    dropped: set[str] = set()
+    if getattr(config, "tie_word_embeddings", False):
+        # A tied output head is saved once, under the input embedding's name, as HF does;
+        # from_pretrained ties it back. Every other name of that parameter is left out.
+        emb = model.get_input_embeddings().weight
+        names = [k for k, p in model.named_parameters(remove_duplicate=False) if p is emb]
+        dropped = set(names[1:])
+        for k in dropped:
+            expected.pop(k)
+    config.architectures = [type(model).__name__]
+    config.use_cache = True  # training turned it off; inference wants it
+    config.dtype = DTYPES[dtype]
+    del model
+
+    source = open_source(ckpt)
+    missing = [k for k in expected if k not in source.tensors]
+    unexpected = [k for k in source.tensors if k not in expected and k not in dropped]
+    wrong = [
+        f"{k} {source.tensors[k].shape} (model: {s})"
+        for k, s in expected.items()
+        if k in source.tensors and source.tensors[k].shape != s
+    ]
+    if missing or unexpected or wrong:
         raise PipelineError(
             f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    model.to(DTYPES[dtype])
-    # Rotary buffers are not in the state dict and were created on the meta device.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    out_dtypes = {
+        k: DTYPES[dtype] if source.tensors[k].dtype.is_floating_point else source.tensors[k].dtype
+        for k in expected
+    }
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+        write_safetensors(
+            tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
+        )
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok_dir = data_dir / tok["path"]
         for name in TOKENIZER_FILES:
             if (tok_dir / name).is_file():
@@ -135,13 +621,15 @@ def consolidate(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.consolidate",
-        description="Sharded training checkpoint → HF model directory (safetensors).",
+        description="Sharded training checkpoint → HF model directory (safetensors), streaming.",
     )
     p.add_argument("--run-dir", type=Path, required=True, help="results/runs/<run>")
     p.add_argument("--data-dir", type=Path, required=True, help="results/data (tokenizer)")
     p.add_argument("--out", type=Path, required=True, help="output HF directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--max-shard-size", default="2GB", help="split safetensors above this size")
+    p.add_argument(
+        "--max-shard-size", default="2GB", help="split safetensors above this size (2GB, 500MiB, bytes)"
+    )
     args = p.parse_args(argv)
     try:
         out = consolidate(
