@@ -204,3 +204,100 @@ def test_a_corrupted_checkpoint_is_skipped_for_the_previous_one(reference, data_
     ref, got = final_weights(ref_dir), final_weights(run_dir)
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
+
+
+def write_config(data_dir: Path, name: str, **train) -> Path:
+    cfg = yaml.safe_load(yaml.safe_dump(CONFIG))
+    cfg["runs"] = {"r": {"train": train}}
+    path = data_dir.parent / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_fsdp_resumes_on_another_world_size_with_the_same_data_order(data_dir, tmp_path):
+    """Saved by 2 ranks, resumed by 1 with twice the accumulation: same global batch, so the
+    same experiment; DCP reshards the state and the loader continues the same sample stream."""
+    run_dir = tmp_path / "r"
+    two = write_config(data_dir, "two")
+    run_cli("pipeline.render", "--config", str(two), "--run", "r", "--out", str(run_dir),
+            "--data-manifest", str(data_dir / "manifest.json"))
+    proc = torchrun(run_dir, data_dir)
+    while steps_logged(run_dir) < 7 and proc.poll() is None:
+        time.sleep(0.01)
+    (run_dir / "STOP").touch()  # the stop request: ranks agree on a step, save, exit 75
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and not (run_dir / "train.done").exists(), err[-2000:]
+    stopped_at = json.loads((run_dir / "stopped.json").read_text())["step"]
+    assert stopped_at >= 7
+    (run_dir / "STOP").unlink()
+
+    cfg = yaml.safe_load(yaml.safe_dump(CONFIG))
+    cfg["cluster"]["gpus_per_node"] = 1
+    cfg["runs"] = {"r": {"train": {"grad_accum": 4}}}
+    one = data_dir.parent / "one.yaml"
+    one.write_text(yaml.safe_dump(cfg))
+    run_cli("pipeline.render", "--config", str(one), "--run", "r", "--out", str(run_dir),
+            "--data-manifest", str(data_dir / "manifest.json"))
+    res = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "-m", "pipeline.train", "worker", "--run-dir", str(run_dir), "--data-dir", str(data_dir)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    starts = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
+              if '"start"' in x]
+    assert starts[-1]["resumed_from"] == stopped_at  # the 2-rank attempt's stop checkpoint
+    # The 1-rank attempt consumed exactly what 2 ranks would have (rank 0 then rank 1 slices).
+    from pipeline.data import BatchLoader, PackedDataset
+
+    ds = PackedDataset(data_dir, split="train")
+    ref = [BatchLoader(ds, micro_batch_size=4, dp_rank=r, dp_size=2, seed=1234) for r in range(2)]
+    expected = {}
+    for step in range(1, STEPS + 1):
+        micro = [[b.next_batch()["indices"] for b in ref] for _ in range(2)]
+        expected[step] = sorted(i for m in micro for idx in m for i in idx)
+    got = {}
+    for line in (run_dir / "samples-rank00000.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        got[rec["step"]] = sorted(rec["indices"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(stopped_at + 1, STEPS + 1):
+        assert got[step] == expected[step], step
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
+    run_dir = tmp_path / "nan"
+    cfg = write_config(data_dir, "nan", lr=1e30, warmup_steps=0, checkpoint_every=1)
+    run_cli("pipeline.render", "--config", str(cfg), "--run", "r", "--out", str(run_dir),
+            "--data-manifest", str(data_dir / "manifest.json"))
+    proc = torchrun(run_dir, data_dir)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "loss is nan at step" in err or "loss is inf at step" in err, err[-2000:]
+    nan_step = next(json.loads(x)["step"] for x in (run_dir / "events.jsonl").read_text().splitlines()
+                    if '"nan"' in x)
+    from pipeline.train.checkpoint import latest_valid
+
+    good = latest_valid(run_dir / "checkpoints")
+    assert good is not None and good[0] == nan_step - 1
+    assert not (run_dir / "train.done").exists()
+
+
+def test_checkpoints_over_other_data_are_a_clear_error(data_dir, tmp_path, reference):
+    run, ref_dir = reference
+    if run != "fsdp":
+        pytest.skip("engine-independent")
+    import shutil
+
+    run_dir = tmp_path / "other"
+    shutil.copytree(ref_dir, run_dir)
+    (run_dir / "train.done").unlink()
+    other = tmp_path / "data"
+    shutil.copytree(data_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["sources"] = [*manifest.get("sources", []), {"path": "elsewhere", "bytes": 1}]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    proc = torchrun(run_dir, other)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "trained on another tokenized dataset" in err, err[-2000:]
