@@ -89,9 +89,26 @@ class DataConfig(_Strict):
         return self
 
 
+#: ModelConfig keys a preset fills (explicit keys in the config win).
+_PRESET_KEYS = {
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_layers",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "rope_theta": "rope_theta",
+}
+
+
 class ModelConfig(_Strict):
     """A Llama-style causal LM built from a config (no hub download), or a local HF model."""
 
+    preset: str | None = None
+    """Architecture numbers from a named preset (``llama2-7b``, ``llama3-8b``, ``mistral-7b``,
+    ``tiny``, …; see ``python -m pipeline.plan --help``); keys set here override it. The
+    vocabulary always comes from the tokenizer."""
     init_from: str | None = None
     """A local HF model directory to continue training from; ``null`` builds from scratch."""
     hidden_size: int = Field(64, ge=8)
@@ -108,8 +125,24 @@ class ModelConfig(_Strict):
     """Longest sequence the rotary embedding is set up for."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output projection."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Base of the rotary position embedding."""
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
     """Attention kernel used in training (``eager`` makes logits comparisons exact)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("preset"):
+            return data
+        from pipeline.plan.presets import PRESETS
+
+        name = data["preset"]
+        if name not in PRESETS:
+            raise ValueError(f"model.preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
+        shape = PRESETS[name]
+        filled = {key: getattr(shape, attr) for key, attr in _PRESET_KEYS.items()}
+        return {**filled, **data}
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:

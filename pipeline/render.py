@@ -51,6 +51,7 @@ def planner_inputs(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
         num_kv_heads=m.num_kv_heads or m.num_heads,
         max_position_embeddings=m.max_position_embeddings,
         tie_word_embeddings=m.tie_word_embeddings,
+        rope_theta=m.rope_theta,
     )
     cluster = Cluster(
         nodes=c.nodes,

@@ -16,7 +16,7 @@ DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 
 
 def with_(**changes):
-    """The default config with dotted keys replaced (``{"train.lr": 1}``)."""
+    """The default config with keys replaced; ``train__lr=1`` sets ``train.lr``."""
     cfg = copy.deepcopy(DEFAULT)
     for dotted, value in changes.items():
         *path, last = dotted.split("__")
@@ -87,3 +87,11 @@ def test_stdlib_source_expands_on_every_machine():
     cfg = load_config(REPO / "config" / "config.yaml")
     files = expand_sources(cfg.data.sources)
     assert len(files) > 20 and all(f.suffix == ".py" for f in files)
+
+
+def test_model_preset_fills_architecture_and_explicit_keys_win():
+    raw = with_(model={"preset": "llama3-8b", "num_layers": 2})
+    m = parse_config(raw).run("fsdp").model
+    assert (m.hidden_size, m.num_kv_heads, m.rope_theta, m.num_layers) == (4096, 8, 500000.0, 2)
+    with pytest.raises(PipelineError, match=r"model\.preset: unknown preset 'llama9'"):
+        parse_config(with_(model={"preset": "llama9"}))

@@ -22,6 +22,7 @@ def hf_config_dict(model: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: 
         "num_key_value_heads": model.num_kv_heads or model.num_heads,
         "max_position_embeddings": model.max_position_embeddings,
         "tie_word_embeddings": model.tie_word_embeddings,
+        "rope_theta": model.rope_theta,
         "eos_token_id": eos_id,
         "bos_token_id": bos_id if bos_id is not None else eos_id,
         "pad_token_id": eos_id,
