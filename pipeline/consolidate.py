@@ -61,7 +61,7 @@ TOKENIZER_FILES = (
 )
 #: Small tensors are read from DCP in groups up to this many bytes (one ``dcp.load`` call has
 #: a fixed cost: planning and re-reading the metadata); part of the "constant" in the bound.
-GROUP_BYTES = 64 * 2**20
+GROUP_BYTES = 16 * 2**20
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
