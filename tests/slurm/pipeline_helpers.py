@@ -145,11 +145,17 @@ def squeue(job_id: str, fmt: str) -> str:
     return out.stdout
 
 
-def jobs_named(name: str) -> list[str]:
-    """Ids of every job with this name that squeue still knows (MinJobAge keeps ended ones)."""
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i"],
+def jobs_named(name: str, workdir: Path) -> list[str]:
+    """Ids of every job with this name submitted from ``workdir`` that squeue still knows
+    (MinJobAge keeps ended ones; other tests' jobs may share the name)."""
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i\x1f%Z"],
                          capture_output=True, text=True, timeout=30)
-    return sorted(set(out.stdout.split()))
+    ids = set()
+    for line in out.stdout.splitlines():
+        jid, _, cwd = line.partition("\x1f")
+        if Path(cwd) == workdir:
+            ids.add(jid)
+    return sorted(ids, key=int)
 
 
 def wait_for(pred: Any, timeout: float, what: str, interval: float = 0.5) -> Any:

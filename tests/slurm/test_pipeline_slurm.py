@@ -260,7 +260,8 @@ def _snakemake_argv(work: Path, profile: str, cluster: slurmcluster.ClusterInfo,
         h.PY, "-m", "snakemake", "-s", str(h.REPO / "Snakefile"), "--configfile",
         str(work / "config" / "config.yaml"), "--profile", str(h.REPO / "profiles" / profile),
         "--latency-wait", "5",
-        "--set-resources", f"train:slurm_partition={cluster.partition}",
+        # On the command line, --set-resources replaces the profile's train block as a whole.
+        "--set-resources", "train:launcher=slurm", f"train:slurm_partition={cluster.partition}",
         "train:cpus_per_task=1", "train:runtime=15", "train:poll_s=1",
         f"train:job_env={job_env}",
         *extra,
@@ -315,14 +316,18 @@ def test_snakemake_slurm_profile_end_to_end(slurm_cluster: slurmcluster.ClusterI
 
 
 def _plugin_jobs(work: Path) -> dict[str, list[str]]:
-    """Slurm job ids of the plugin's jobs by rule, from its per-job log folders
-    (.snakemake/slurm_logs/rule_<rule>/<wildcards>/<jobid>.log)."""
+    """Slurm job ids of the executor plugin's jobs by rule, from Slurm's own record: the plugin
+    names every job of one Snakemake run by that run's uuid (in .snakemake/) and sets the
+    comment to ``rule_<rule>[_wildcards_...]``. Only jobs of this workflow directory count."""
     out: dict[str, list[str]] = {}
-    for log in (work / ".snakemake" / "slurm_logs").rglob("*.log"):
-        rule = next((p.name[len("rule_"):] for p in log.parents if p.name.startswith("rule_")),
-                    None)
-        if rule and log.stem.isdigit():
-            out.setdefault(rule, []).append(log.stem)
+    proc = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i\x1f%k\x1f%Z"],
+                          capture_output=True, text=True, timeout=30)
+    for line in proc.stdout.splitlines():
+        jid, comment, cwd = [*line.split("\x1f"), "", ""][:3]
+        if not comment.startswith("rule_") or Path(cwd) != work:
+            continue
+        rule = comment[len("rule_"):].split("_wildcards_")[0]
+        out.setdefault(rule, []).append(jid)
     return {k: sorted(v, key=int) for k, v in out.items()}
 
 
@@ -334,8 +339,7 @@ def test_login_snakemake_killed_then_restarted_reattaches(
     work = _workflow_dir(shared, "t5", corpus, cfg)
     run_dir = work / "results" / "runs" / "r"
     # The data stages run on this host (profile local); training goes to Slurm.
-    argv = _snakemake_argv(work, "local", slurm_cluster, "--set-resources",
-                           "train:launcher=slurm", "--until", "train")
+    argv = _snakemake_argv(work, "local", slurm_cluster, "--until", "train")
     first = subprocess.Popen(argv, cwd=work, env=h.env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -355,7 +359,7 @@ def test_login_snakemake_killed_then_restarted_reattaches(
     ev = h.events(run_dir)
     assert [e["job_id"] for e in ev if e["event"] == "launch.submit"] == [job_id]
     assert [e["job_id"] for e in ev if e["event"] == "launch.reattach"] == [job_id]
-    assert h.jobs_named("zs-r") == [job_id]  # one training job, not two
+    assert h.jobs_named("zs-r", work) == [job_id]  # one training job, not two
     assert json.loads((run_dir / "job.json").read_text())["job_id"] == job_id
 
 
