@@ -456,6 +456,14 @@ class NodeTask(submitit.helpers.Checkpointable):
                      rc=rc, stopped_at=(stopped or {}).get("step"),
                      checkpoint=latest_checkpoint(run_dir))
         (run_dir / STOP_FILE).unlink(missing_ok=True)
+        if rc == 0 and stopped is None and (run_dir / "train.done").exists():
+            # The warning came as training finished: end the attempt as a success instead of
+            # requeueing a finished run (no result is written for the head task; the job's
+            # state, COMPLETED, and train.done are what the launcher reads).
+            append_event(run_dir, "launch.finished_at_signal", job_id=job_id)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         budget = self.policy.max_requeues if cause == "timeout" else self.policy.max_preemptions
         used = requeues_of(run_dir, job_id, cause)
         if used >= budget:
