@@ -1,0 +1,212 @@
+"""Checkpoint benchmark (issue 5): the trainer's save and load MB/s against ``dd`` on the same disk.
+
+    python -m bench.checkpoint [--hidden 768 --layers 12 --vocab 32000] [--backends fsdp,deepspeed]
+
+For each engine, ``torchrun --nproc-per-node 2`` runs this module's worker: the real engine
+(``pipeline.train.engines``) on a random-weight Llama takes one optimizer step (so Adam's
+moments exist), then
+
+* save: the trainer's own checkpoint path, ``pipeline.train.loop._save`` (engine files: DCP
+  for fsdp, ``save_checkpoint`` for deepspeed; RNG states; ``trainer.json``; the sha256
+  manifest; the rename into place), timed from the first rank's start to the last rank's end;
+* load: what a resume does, ``checkpoint.latest_valid`` (sha256 of every file) and
+  ``engine.load``, after the checkpoint's pages were evicted from the page cache
+  (``posix_fadvise(DONTNEED)`` after the save's fsync), so it reads the disk as ``dd`` does;
+  the weights are checked equal to those saved.
+
+``dd`` in the same run and directory: write ``oflag=direct conv=fsync`` and read ``iflag=direct``
+of a file of the checkpoint's size. MB/s = checkpoint bytes / seconds. Goal: ≥ 0.7× ``dd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DS_ACCELERATOR="cpu",
+             OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + e.get("PYTHONPATH", ""))
+    return e
+
+
+def evict(root: Path) -> None:
+    """Drop the clean page-cache pages of every file under ``root`` (no root privileges needed)."""
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(run_dir: Path) -> None:
+    """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.config import load_run_config
+    from pipeline.distenv import RankEnv
+    from pipeline.io import read_json
+    from pipeline.train import checkpoint as ck
+    from pipeline.train.loop import _save, config_hash
+    from pipeline.train.model import build_model
+
+    run_cfg = load_run_config(run_dir / "config.json")
+    env_ = RankEnv.from_env()
+    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    vocab = int(os.environ["BENCH_VOCAB"])
+    model = build_model(run_cfg.model, vocab_size=vocab, eos_id=0, bos_id=None, seed=0)
+    if run_cfg.train.backend == "deepspeed":
+        from pipeline.train.engines import DeepSpeedEngine
+
+        engine = DeepSpeedEngine(model, run_cfg, read_json(run_dir / "ds_config.json"))
+        params = lambda: engine.engine.module.parameters()  # noqa: E731
+    else:
+        from pipeline.train.engines import FSDPEngine
+
+        engine = FSDPEngine(model, run_cfg, device)
+        params = lambda: engine.model.parameters()  # noqa: E731
+    g = torch.Generator().manual_seed(env_.rank)
+    ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len), generator=g)
+    engine.train_step([ids])
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        p = p.to_local() if hasattr(p, "to_local") else p
+        return p.detach().clone()
+
+    before = [local(p) for p in params()]
+    root = run_dir / "checkpoints"
+    state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
+    dist.barrier()
+    t0 = time.perf_counter()
+    _save(engine, root, state, run_cfg, config_hash(run_cfg), "bench-data", env_)
+    t_save = time.perf_counter() - t0
+    if env_.rank == 0:
+        evict(root)
+    for p in params():  # scribble over the weights: the load must bring them back
+        with torch.no_grad():
+            (p.to_local() if hasattr(p, "to_local") else p).data.add_(1.0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    box: list[str | None] = [None]
+    if env_.rank == 0:
+        found = ck.latest_valid(root)
+        box = [None if found is None else str(found[1])]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None, "the checkpoint just saved does not verify"
+    path = Path(box[0])
+    trainer = ck.TrainerState.from_json(read_json(path / "trainer.json"))
+    engine.load(path, {"scheduler": trainer.scheduler})
+    dist.barrier()
+    t_load = time.perf_counter() - t0
+    after = [local(p) for p in params()]
+    same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    flag = torch.tensor([0.0 if same else 1.0])
+    dist.all_reduce(flag)
+    if env_.rank == 0:
+        nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        (run_dir / "bench.json").write_text(json.dumps(
+            {"save_s": t_save, "load_s": t_load, "bytes": nbytes, "restored": flag.item() == 0}))
+    dist.destroy_process_group()
+
+
+def dd(path: Path, nbytes: int) -> tuple[float, float]:
+    """(write MB/s, read MB/s) of dd with direct I/O on ``path`` (the file is removed)."""
+    bs = 4 * 2**20
+    count = max(1, nbytes // bs)
+
+    def run(args: list[str]) -> float:
+        t0 = time.perf_counter()
+        res = subprocess.run(["dd", *args, f"bs={bs}", f"count={count}"], capture_output=True,
+                             text=True, check=True)
+        wall = time.perf_counter() - t0
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", res.stderr)
+        return int(m.group(1)) / float(m.group(2)) / 1e6 if m else count * bs / wall / 1e6
+
+    w = run(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"])
+    r = run([f"if={path}", "of=/dev/null", "iflag=direct"])
+    path.unlink()
+    return w, r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--backends", default="fsdp,deepspeed")
+    ap.add_argument("--workdir", type=Path, default=None, help="parent of the temp dir (the disk)")
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
+
+    import yaml
+
+    work = Path(tempfile.mkdtemp(prefix="zs-bench-ckpt-", dir=args.workdir))
+    results: dict[str, dict] = {}
+    try:
+        (work / "corpus.txt").write_text("x")
+        for backend in args.backends.split(","):
+            cfg = {
+                "data": {"sources": [{"path": "corpus.txt", "format": "txt"}],
+                         "tokenizer": {"vocab_size": args.vocab}, "seq_len": 64},
+                "model": {"hidden_size": args.hidden, "intermediate_size": args.inter,
+                          "num_layers": args.layers, "num_heads": args.heads,
+                          "max_position_embeddings": 64},
+                "cluster": {"nodes": 1, "gpus_per_node": 2},
+                "train": {"backend": backend, "zero_stage": 2, "micro_batch_size": 1,
+                          "max_steps": 10, "warmup_steps": 1},
+                "runs": {backend: {}},
+            }
+            (work / f"{backend}.yaml").write_text(yaml.safe_dump(cfg))
+            run = work / "runs" / backend
+            subprocess.run([sys.executable, "-m", "pipeline.render", "--config", f"{backend}.yaml",
+                            "--run", backend, "--out", str(run)], cwd=work, env=env(), check=True,
+                           capture_output=True)
+            res = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                 "2", "-m", "bench.checkpoint", "--worker", str(run)],
+                cwd=REPO, env={**env(), "BENCH_VOCAB": str(args.vocab)}, capture_output=True,
+                text=True, timeout=900,
+            )
+            if res.returncode != 0:
+                raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
+            r = json.loads((run / "bench.json").read_text())
+            results[backend] = r
+            mb = r["bytes"] / 1e6
+            print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
+                  f"({mb / r['save_s']:5.0f} MB/s), load {r['load_s']:5.1f} s "
+                  f"({mb / r['load_s']:5.0f} MB/s), weights restored: {r['restored']}", flush=True)
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        size = max(r["bytes"] for r in results.values())
+        w, rd = dd(work / "dd.bin", size)
+        print(f"dd (direct I/O, {size / 1e6:.0f} MB, same directory): write {w:5.0f} MB/s, "
+              f"read {rd:5.0f} MB/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nratios (trainer / dd; goal >= 0.7):")
+    for backend, r in results.items():
+        print(f"  {backend:9s} save {r['bytes'] / 1e6 / r['save_s'] / w:4.2f}x   "
+              f"load {r['bytes'] / 1e6 / r['load_s'] / rd:4.2f}x")
+
+
+if __name__ == "__main__":
+    main()
