@@ -39,6 +39,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -532,8 +533,6 @@ def consolidate(
     run_dir: Path, data_dir: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "2GB"
 ) -> Path:
     """Write the HF directory for the run's final checkpoint; returns ``out``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
-
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     cap = parse_size(max_shard_size)
@@ -541,9 +540,31 @@ def consolidate(
     if not done_file.is_file():
         raise PipelineError(f"{done_file} is missing: train the run before consolidating it")
     ckpt = run_dir / "checkpoints" / read_json(done_file)["checkpoint"]
-    why = ck.verify(ckpt)
+    if not (ckpt / ck.MANIFEST).is_file():
+        raise PipelineError(f"checkpoint {ckpt} does not verify: {ck.verify(ckpt)}")
+    # The sha256 of every file is checked on a thread while the weights stream into a temp dir
+    # (hashlib and the tensor reads release the GIL); the result is renamed into place only if
+    # the checkpoint verified, so nothing unverified is ever published.
+    pool = ThreadPoolExecutor(max_workers=1)
+    verifying = pool.submit(ck.verify, ckpt)
+    try:
+        return _consolidate(ckpt, verifying, run_dir, data_dir, out, dtype=dtype, cap=cap)
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _raise_if_unverified(ckpt: Path, verifying: Future[str | None]) -> None:
+    why = verifying.result()
     if why is not None:
         raise PipelineError(f"checkpoint {ckpt} does not verify: {why}")
+
+
+def _consolidate(
+    ckpt: Path, verifying: Future[str | None], run_dir: Path, data_dir: Path, out: Path, *,
+    dtype: str, cap: int,
+) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
     meta = read_json(ckpt / ck.MANIFEST)
     run = load_run_config(run_dir / "config.json")
     manifest = read_json(data_dir / "manifest.json")
@@ -575,7 +596,11 @@ def consolidate(
     config.dtype = DTYPES[dtype]
     del model
 
-    source = open_source(ckpt)
+    try:
+        source = open_source(ckpt)
+    except Exception:
+        _raise_if_unverified(ckpt, verifying)  # a corrupt file explains the failure best
+        raise
     missing = [k for k in expected if k not in source.tensors]
     unexpected = [k for k in source.tensors if k not in expected and k not in dropped]
     wrong = [
@@ -596,9 +621,13 @@ def consolidate(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        write_safetensors(
-            tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
-        )
+        try:
+            write_safetensors(
+                tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
+            )
+        except Exception:
+            _raise_if_unverified(ckpt, verifying)
+            raise
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok_dir = data_dir / tok["path"]
@@ -610,6 +639,7 @@ def consolidate(
             {"run": run.name, "step": meta["step"], "checkpoint": ckpt.name,
              "checkpoint_manifest_sha256": sha256_file(ckpt / ck.MANIFEST), "dtype": dtype},
         )
+        _raise_if_unverified(ckpt, verifying)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
