@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--trainer-first", action="store_true", help="run the trainer before bare")
     ap.add_argument("--bare", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare is not None:
@@ -156,13 +157,26 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pipeline.render", "--config", "config.yaml", "--run",
                         "bench", "--out", str(run)], cwd=work, env=env(), check=True,
                        capture_output=True)
-        # Alternate so that a change in the machine's load hits both sides alike.
-        t0 = time.perf_counter()
-        torchrun(["-m", "bench.trainer", "--steps", str(args.steps), "--bare", str(run), str(data)], REPO)
-        t_bare = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        torchrun(["-m", "pipeline.train", "worker", "--run-dir", str(run), "--data-dir", str(data)], REPO)
-        t_trainer = time.perf_counter() - t0
+        # The machine's cores are shared: a change of load between the two runs shows up as a
+        # ratio away from 1 either way; --trainer-first swaps the order to check for that.
+        def run_bare() -> float:
+            t0 = time.perf_counter()
+            torchrun(["-m", "bench.trainer", "--steps", str(args.steps), "--bare", str(run),
+                      str(data)], REPO)
+            return time.perf_counter() - t0
+
+        def run_trainer() -> float:
+            t0 = time.perf_counter()
+            torchrun(["-m", "pipeline.train", "worker", "--run-dir", str(run), "--data-dir",
+                      str(data)], REPO)
+            return time.perf_counter() - t0
+
+        if args.trainer_first:
+            t_trainer = run_trainer()
+            t_bare = run_bare()
+        else:
+            t_bare = run_bare()
+            t_trainer = run_trainer()
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         trainer_times = [r["step_time_s"] for r in recs]
         bare_times = json.loads((run / "bare.json").read_text())["step_times"]
