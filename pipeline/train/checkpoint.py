@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,11 +91,14 @@ def latest_valid(root: Path) -> tuple[int, Path] | None:
 def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int) -> Path:
     """Rank 0, after every rank wrote into the tmp folder: manifest last, rename, prune."""
     tmp = tmp_dir(root, step)
-    files = {}
-    for f in sorted(tmp.rglob("*")):
-        if f.is_file() and f.name != MANIFEST:
-            rel = f.relative_to(tmp).as_posix()
-            files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    paths = [f for f in sorted(tmp.rglob("*")) if f.is_file() and f.name != MANIFEST]
+    # hashlib releases the GIL on large buffers: hash the shard files in parallel.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    files = {
+        f.relative_to(tmp).as_posix(): {"sha256": d, "bytes": f.stat().st_size}
+        for f, d in zip(paths, digests, strict=True)
+    }
     write_json_atomic(tmp / MANIFEST, {**meta, "step": step, "files": files, "time": time.time()})
     final = step_dir(root, step)
     if final.exists():  # a checkpoint of the same step from an attempt that died after renaming

@@ -665,6 +665,23 @@ def wait_slurm(run_dir: Path, rec: dict[str, Any], slurm: SlurmOptions) -> dict[
         )
 
 
+def _wait_for_running_trainer(run_dir: Path) -> bool:
+    """Local reattach: if a trainer from an earlier (killed) launch still holds the run's lock,
+    wait for it instead of starting a second one. True if there was one."""
+    import fcntl
+
+    from pipeline.train.loop import LOCK_FILE
+
+    with (run_dir / LOCK_FILE).open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("a training process from an earlier launch is still running: waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            return True
+    return False
+
+
 def launch(run_dir: Path, data_dir: Path, *, launcher: str, slurm: SlurmOptions) -> dict[str, Any]:
     """Submit the run's training job and wait for it; returns ``train.done``'s content."""
     run_dir = run_dir.resolve()
@@ -674,6 +691,8 @@ def launch(run_dir: Path, data_dir: Path, *, launcher: str, slurm: SlurmOptions)
         return _launch_slurm(run_dir, data_dir, run, slurm)
     if launcher != "local":
         raise PipelineError(f"unknown launcher {launcher!r}: use local or slurm")
+    if _wait_for_running_trainer(run_dir) and (run_dir / "train.done").exists():
+        return read_json(run_dir / "train.done")
     (run_dir / STOP_FILE).unlink(missing_ok=True)
     folder = run_dir / "submitit"
     task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes)

@@ -141,6 +141,7 @@ def run(run_dir: Path, data_dir: Path) -> int:
                 f"{run_cfg.world_size} (cluster.nodes × cluster.gpus_per_node); re-render the run"
             )
         rec = _Recorder(run_dir, env.rank)
+        lock = _hold_run_lock(run_dir) if env.rank == 0 else None  # noqa: F841 (held until exit)
         dataset = PackedDataset(data_dir, split="train")
         manifest = dataset.manifest
         data_hash = sha256_file(data_dir / "manifest.json")
@@ -193,11 +194,13 @@ def run(run_dir: Path, data_dir: Path) -> int:
                     f"or run on {saved_world} processes; fsdp runs reshard automatically"
                 )
             trainer = ck.TrainerState.from_json(read_json(path / "trainer.json"))
+            t_load = time.perf_counter()
             engine.load(path, {"scheduler": trainer.scheduler})
             loader.load_state_dict(trainer.loader)
             if saved_world == env.world_size:
                 ck.load_rng(path, env.rank)
             state = trainer
+            rec.event("load", step=state.step, seconds=time.perf_counter() - t_load)
             rec.event("start", resumed_from=state.step, checkpoint=path.name)
         else:
             rec.event("start", resumed_from=0, checkpoint=None)
@@ -237,6 +240,7 @@ def run(run_dir: Path, data_dir: Path) -> int:
             rec.step(
                 {
                     "step": state.step,
+                    "time": time.time(),
                     "loss": mean_loss,
                     "lr": res.lr,
                     "grad_norm": res.grad_norm,
@@ -275,6 +279,27 @@ def run(run_dir: Path, data_dir: Path) -> int:
             rec.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+LOCK_FILE = "train.lock"
+
+
+def _hold_run_lock(run_dir: Path) -> Any:
+    """Rank 0 holds an exclusive lock on the run dir while it trains: a second trainer on the
+    same run (a restarted Snakemake while an orphaned job still runs) fails instead of
+    interleaving checkpoints. The kernel drops the lock when the process dies."""
+    import fcntl
+
+    f = (run_dir / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise PipelineError(
+            f"another training process holds {run_dir / LOCK_FILE}: this run is already "
+            "training; wait for it (the launcher does), or stop it first"
+        ) from None
+    return f
 
 
 def _peak_mem_gb(device: torch.device) -> float:
