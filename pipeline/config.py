@@ -12,7 +12,6 @@ The JSON schema that the Snakefile validates is generated from these classes
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import sys
@@ -23,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import PipelineError
+from pipeline.io import deep_merge
 
 #: Run names become directory names and Slurm job names: keep them boring.
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -351,7 +351,7 @@ class Config(_Strict):
         if name not in self.runs:
             raise PipelineError(f"unknown run {name!r}; the config defines {sorted(self.runs)}")
         base = self.model_dump(mode="json", exclude={"runs"})
-        merged = _deep_merge(base, self.runs[name].model_dump(mode="json", exclude_none=True))
+        merged = deep_merge(base, self.runs[name].model_dump(mode="json", exclude_none=True))
         return _validate(RunConfig, {"name": name, **merged}, where=f"runs.{name}.")
 
 
@@ -369,16 +369,6 @@ class RunOverrides(_Strict):
 
 
 Config.model_rebuild()
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _format_errors(err: ValidationError, where: str) -> str:

@@ -24,18 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import PipelineError
+from pipeline.io import sha256_file
 
 STATE_VERSION = 1
-
-
-def _sha256(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 class _Shard:
@@ -53,7 +44,7 @@ class _Shard:
                 f"shard {path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
                 "truncated or was replaced; rerun the tokenize stage for it"
             )
-        if verify and _sha256(path) != entry["sha256"]:
+        if verify and sha256_file(path) != entry["sha256"]:
             raise PipelineError(
                 f"shard {path} does not match its sha256 in the manifest: the file was modified "
                 "or corrupted; rerun the tokenize stage for it"

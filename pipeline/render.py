@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.config import RunConfig, load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
-from pipeline.io import read_json, write_json_atomic, write_text_atomic
+from pipeline.io import deep_merge, read_json, write_json_atomic, write_text_atomic
 from pipeline.plan import (
     BatchSpec,
     Cluster,
@@ -32,7 +32,6 @@ from pipeline.plan import (
     render_topology,
     sbatch_preview,
 )
-from pipeline.plan.preflight import deep_merge
 
 #: DeepSpeed's own progress prints would duplicate the loop's metrics.jsonl.
 _QUIET_STEPS = 10**9

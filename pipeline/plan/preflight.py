@@ -9,23 +9,13 @@ from typing import Any
 from unittest import mock
 
 from pipeline.errors import PipelineError
+from pipeline.io import deep_merge
 from pipeline.plan.deepspeed_config import PIPELINE_ENGINE_KEYS, SEED_KEY_MAPPING, render_ds_config
 from pipeline.plan.memory import Accounting
 from pipeline.plan.presets import ModelShape
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, plan
 from pipeline.plan.topology import batch_problems
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``override`` merged in, recursively (neither argument is modified)."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 class _ReadTracker(dict):

@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import PipelineError
+from pipeline.io import sha256_file
 from pipeline.tokenize.sources import BigDoc, DocReader, SourceSpec, plan
 from pipeline.tokenizer import (
     HFEncoder,
@@ -76,17 +77,6 @@ def schema(seq_len: int) -> pa.Schema:
             pa.field("doc_starts", pa.list_(pa.int32()), nullable=False),
         ]
     )
-
-
-def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20) -> str:
-    """sha256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _open_sink(path: Path) -> BinaryIO:
