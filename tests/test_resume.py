@@ -182,10 +182,10 @@ def test_kill_while_writing_a_checkpoint_then_resume_is_bit_exact(reference, dat
     assert consumed(run_dir) == consumed(ref_dir)
 
 
+# The checkpoint-folder protocol is engine-independent: the fsdp reference covers it.
+@pytest.mark.parametrize("reference", ["fsdp"], indirect=True)
 def test_a_corrupted_checkpoint_is_skipped_for_the_previous_one(reference, data_dir, tmp_path):
     run, ref_dir = reference
-    if run != "fsdp":
-        pytest.skip("the checkpoint folder protocol is engine-independent; fsdp covers it")
     run_dir = render(data_dir, run, tmp_path / run)
     proc = torchrun(run_dir, data_dir)
     while steps_logged(run_dir) < 8 and proc.poll() is None:
@@ -283,10 +283,9 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(da
     assert not (run_dir / "train.done").exists()
 
 
+@pytest.mark.parametrize("reference", ["fsdp"], indirect=True)
 def test_checkpoints_over_other_data_are_a_clear_error(data_dir, tmp_path, reference):
     run, ref_dir = reference
-    if run != "fsdp":
-        pytest.skip("engine-independent")
     import shutil
 
     run_dir = tmp_path / "other"
