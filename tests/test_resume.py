@@ -285,7 +285,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(da
 
 @pytest.mark.parametrize("reference", ["fsdp"], indirect=True)
 def test_checkpoints_over_other_data_are_a_clear_error(data_dir, tmp_path, reference):
-    run, ref_dir = reference
+    _, ref_dir = reference
     import shutil
 
     run_dir = tmp_path / "other"
