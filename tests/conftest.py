@@ -19,12 +19,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def require_corpora() -> Path:
+    """The shared real-text corpora (beside the checkout here and in CI, not on users'
+    machines); skips the calling test with the reason when they are absent."""
+    if not (CORPORA / "tinyshakespeare.txt").is_file():
+        pytest.skip(f"shared corpora not found at {CORPORA} (they exist beside the checkout only)")
+    return CORPORA
+
+
 @pytest.fixture
 def corpora() -> Path:
-    """The shared real-text corpora (present here and in CI, not on users' machines)."""
-    if not (CORPORA / "tinyshakespeare.txt").is_file():
-        pytest.skip(f"shared corpora not found at {CORPORA} (they exist only on CI machines)")
-    return CORPORA
+    """The shared real-text corpora, or a skip."""
+    return require_corpora()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

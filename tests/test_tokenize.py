@@ -22,16 +22,10 @@ import pipeline.tokenize.sources as sources_mod
 from pipeline.errors import PipelineError
 from pipeline.tokenize import SourceSpec, gather, shard_path, stats_path, tokenize_shard
 from pipeline.tokenizer import load_tokenizer, train_tokenizer
+from tests.conftest import REPO
+from tests.conftest import require_corpora as corpora
 
-CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-REPO = Path(__file__).resolve().parents[1]
-
-
-def corpora() -> Path:
-    if not (CORPORA / "tinyshakespeare.txt").is_file():
-        pytest.skip(f"shared corpora not found at {CORPORA} (they exist beside the checkout only)")
-    return CORPORA
 
 
 @pytest.fixture(scope="module")

@@ -25,16 +25,10 @@ from pipeline.tokenizer import (
     tokenizer_info,
     train_tokenizer,
 )
+from tests.conftest import REPO
+from tests.conftest import require_corpora as corpora
 
-CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-REPO = Path(__file__).resolve().parents[1]
-
-
-def corpora() -> Path:
-    if not (CORPORA / "tinyshakespeare.txt").is_file():
-        pytest.skip(f"shared corpora not found at {CORPORA} (they exist beside the checkout only)")
-    return CORPORA
 
 
 def stdlib_texts(limit: int = 60) -> list[str]:

@@ -7,16 +7,13 @@ Every stage runs through its real command line (``python -m pipeline.<stage>``, 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-PY = sys.executable
+from tests.conftest import PY, subprocess_env
 
 #: A tiny model: steps of a few tens of ms on a CPU, checkpoints of a few hundred kB.
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
@@ -27,17 +24,7 @@ VOCAB = 300
 
 def env(**extra: str) -> dict[str, str]:
     """Environment for stage processes (and, through sbatch's export, for the jobs)."""
-    out = dict(os.environ)
-    out.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        DS_ACCELERATOR="cpu",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(REPO) + os.pathsep + out.get("PYTHONPATH", ""),
-    )
-    out.update(extra)
-    return out
+    return subprocess_env(**extra)
 
 
 def run(cmd: list[str], *, timeout: float, cwd: Path | None = None,
