@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import PY, subprocess_env
+# REPO and PY are re-exported for the test module (h.REPO, h.PY).
+from tests.conftest import PY as PY
+from tests.conftest import REPO as REPO
+from tests.conftest import subprocess_env
 
 #: A tiny model: steps of a few tens of ms on a CPU, checkpoints of a few hundred kB.
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
