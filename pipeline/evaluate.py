@@ -32,9 +32,9 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     back gives exact byte counts even for tokens that split a multi-byte character (decoding a
     single such token would yield U+FFFD instead).
     """
-    from pipeline.tokenizer import _byte_decoder
+    from pipeline.tokenizer import byte_decoder
 
-    to_byte = _byte_decoder()
+    to_byte = byte_decoder()
     special = set(tokenizer.all_special_ids)
     sizes = np.zeros(len(tokenizer), dtype=np.int64)
     for tid in range(len(tokenizer)):

@@ -201,7 +201,7 @@ def tokenizer_info(path: str | os.PathLike[str], *, bos: bool = False) -> Tokeni
 
 
 @lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the printable stand-ins ByteLevel uses for bytes."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
@@ -326,7 +326,7 @@ def tiktoken_encoding_from_hf(tokenizer):  # -> tiktoken.Encoding | None
     pattern = _pattern_of(spec.get("pre_tokenizer"))
     if pattern is None:
         return None
-    dec = _byte_decoder()
+    dec = byte_decoder()
     added = {a["content"] for a in spec.get("added_tokens") or []}
     ranks: dict[bytes, int] = {}
     try:
@@ -535,6 +535,14 @@ def import_tokenizer(path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     return out
 
 
+def _print_summary(out: Path, **extra: object) -> None:
+    """One JSON line describing the tokenizer just written (what the rule logs)."""
+    info = tokenizer_info(out)
+    summary = {"out": str(out), "vocab_size": info.vocab_size, "eos_id": info.eos_id,
+               "fingerprint": info.fingerprint, **extra}
+    print(json.dumps(summary))
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from pipeline.tokenize.sources import SourceSpec, iter_texts
 
@@ -551,18 +559,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         bos_token=args.bos_token,
         min_frequency=args.min_frequency,
     )
-    info = tokenizer_info(out)
-    print(
-        json.dumps(
-            {
-                "out": str(out),
-                "vocab_size": info.vocab_size,
-                "eos_id": info.eos_id,
-                "fingerprint": info.fingerprint,
-                "skipped": skipped,
-            }
-        )
-    )
+    _print_summary(out, skipped=skipped)
     return 0
 
 
@@ -604,18 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "train":
             return _cmd_train(args)
         if args.cmd == "import":
-            out = import_tokenizer(args.path, args.out)
-            info = tokenizer_info(out)
-            print(
-                json.dumps(
-                    {
-                        "out": str(out),
-                        "vocab_size": info.vocab_size,
-                        "eos_id": info.eos_id,
-                        "fingerprint": info.fingerprint,
-                    }
-                )
-            )
+            _print_summary(import_tokenizer(args.path, args.out))
             return 0
         print(fingerprint(args.path))
         return 0
