@@ -128,8 +128,10 @@ class JobPolicy:
 
 
 def append_event(run_dir: Path, name: str, **kw: Any) -> None:
-    """One line in events.jsonl. Only the head node writes (rank 0 runs there too): appends from
-    one host to one file stay whole, appends from several hosts over NFS may not."""
+    """One line in events.jsonl, from the head node's task. The trainer's rank 0 appends too: the
+    c10d rendezvous orders nodes by hostname (then pid), which on a cluster puts it on the
+    head node (SLURM_NODEID 0, first in sorted order); appends from one host stay whole, from
+    several hosts over NFS they may not. Readers skip a cut line."""
     rec = {"event": name, "time": time.time(), **kw}
     with (run_dir / "events.jsonl").open("a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -314,9 +316,10 @@ class NodeTask(submitit.helpers.Checkpointable):
         if rc == 0:
             if node.node_rank != 0:
                 return {"node": node.node_rank, "host": host, "rc": 0}
-            done = run_dir / "train.done"
-            if done.exists():
-                return read_json(done)
+            # Rank 0 writes train.done and may live on another node (the c10d rendezvous orders
+            # nodes by address and pid, not by SLURM_NODEID): its torchrun can end later.
+            if self._wait_done(wait_s=60):
+                return read_json(run_dir / "train.done")
             raise RuntimeError("torchrun exited 0 but train.done is missing")
         # torchrun reports a rank's EXIT_REQUEUE as a failure (its own exit status is 1): a
         # stop request is recognized by the stopped.json rank 0 writes after the save.
@@ -328,6 +331,16 @@ class NodeTask(submitit.helpers.Checkpointable):
         if node.node_rank != 0:
             raise RuntimeError(f"torchrun exited with status {rc} on {host}")
         return self._on_failure(node, rc)
+
+    def _wait_done(self, wait_s: float) -> bool:
+        """Whether train.done exists, waiting up to ``wait_s`` for rank 0 to write it."""
+        done = Path(self.run_dir) / "train.done"
+        deadline = time.monotonic() + wait_s
+        while not done.exists():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def _fresh_stopped(self, since: float, wait_s: float = 0) -> dict[str, Any] | None:
         """stopped.json if rank 0 wrote it after ``since`` (an older one is a past attempt's)."""
@@ -447,7 +460,17 @@ class NodeTask(submitit.helpers.Checkpointable):
                 stopped = self._fresh_stopped(t0)
                 rc = self._proc.poll()
                 if rc is not None:
-                    stopped = self._fresh_stopped(t0, wait_s=2)
+                    # This node's torchrun ended; rank 0 (maybe on another node) writes either
+                    # stopped.json (stopped at the agreed step) or, when the agreed step was
+                    # the last one, train.done.
+                    # NFS may show another node's new file only after its attribute cache
+                    # expires: wait up to the save deadline, at least a few seconds.
+                    deadline = max(deadline, time.monotonic() + 5)
+                    while stopped is None and time.monotonic() < deadline:
+                        stopped = self._fresh_stopped(t0)
+                        if rc == 0 and self._wait_done(wait_s=0):
+                            break
+                        time.sleep(0.2)
                     break
                 time.sleep(0.1)
             if stopped is None and rc is None:

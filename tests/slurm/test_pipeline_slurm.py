@@ -181,9 +181,14 @@ def test_time_limit_checkpoint_requeue_resume(slurm_cluster: slurmcluster.Cluste
     starts = [e for e in ev if e["event"] == "start"]
     assert len(starts) >= 2 and starts[1]["resumed_from"] > 0, starts
     # Every warning ended in a complete save at an agreed step before the requeue.
+    # (A warning that lands on the last step ends the job instead: at most one such save.)
+    dump = "\n".join(json.dumps(e) for e in ev)
     saved = [e for e in ev if e["event"] == "launch.saved"]
-    assert len(saved) == len(requeues) and all(e["stopped_at"] for e in saved), saved
-    assert [e["checkpoint"] for e in saved] == [f"step-{e['stopped_at']:06d}" for e in saved]
+    stopped = [e for e in saved if e["stopped_at"]]
+    finished = [e for e in ev if e["event"] == "launch.finished_at_signal"]
+    assert len(stopped) == len(requeues) and len(finished) <= 1, dump
+    assert len(saved) == len(stopped) + len(finished), dump
+    assert [e["checkpoint"] for e in stopped] == [f"step-{e['stopped_at']:06d}" for e in stopped]
     _assert_steps_contiguous(limited, TIME_LIMIT_STEPS)
     assert json.loads((reference / "train.done").read_text())["step"] == TIME_LIMIT_STEPS
     assert not [e for e in h.events(reference) if e["event"] == "launch.requeue"]
