@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,20 @@ def worker(run_dir: Path) -> None:
     before = [local(p) for p in params()]
     root = run_dir / "checkpoints"
     state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
+    # Where the save's time goes: the engine's files, then rank 0's manifest (checksums).
+    parts = {"engine_s": 0.0, "manifest_s": 0.0}
+
+    def timed(key: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[key] += time.perf_counter() - t
+        return wrapped
+
+    engine.save = timed("engine_s", engine.save)
+    ck.finalize = timed("manifest_s", ck.finalize)
     dist.barrier()
     t0 = time.perf_counter()
     _save(engine, root, state, run_cfg, config_hash(run_cfg), "bench-data", env_)
@@ -104,7 +119,9 @@ def worker(run_dir: Path) -> None:
     t0 = time.perf_counter()
     box: list[str | None] = [None]
     if env_.rank == 0:
+        t_verify = time.perf_counter()
         found = ck.latest_valid(root)
+        parts["verify_s"] = time.perf_counter() - t_verify
         box = [None if found is None else str(found[1])]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None, "the checkpoint just saved does not verify"
@@ -120,7 +137,8 @@ def worker(run_dir: Path) -> None:
     if env_.rank == 0:
         nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         (run_dir / "bench.json").write_text(json.dumps(
-            {"save_s": t_save, "load_s": t_load, "bytes": nbytes, "restored": flag.item() == 0}))
+            {"save_s": t_save, "load_s": t_load, "bytes": nbytes, "restored": flag.item() == 0,
+             **parts}))
     dist.destroy_process_group()
 
 
@@ -194,7 +212,10 @@ def main() -> None:
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
                   f"({mb / r['save_s']:5.0f} MB/s), load {r['load_s']:5.1f} s "
-                  f"({mb / r['load_s']:5.0f} MB/s), weights restored: {r['restored']}", flush=True)
+                  f"({mb / r['load_s']:5.0f} MB/s), weights restored: {r['restored']}\n"
+                  f"{'':10s}save = engine files {r['engine_s']:.2f} s + manifest (checksums, "
+                  f"rename) {r['manifest_s']:.2f} s + rest; load = verify (checksums, read from "
+                  f"disk) {r['verify_s']:.2f} s + engine", flush=True)
             shutil.rmtree(run / "checkpoints", ignore_errors=True)
         size = max(r["bytes"] for r in results.values())
         w, rd = dd(work / "dd.bin", size)

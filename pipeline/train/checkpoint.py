@@ -6,10 +6,12 @@ Layout of one checkpoint::
         dcp/ or ds/          the engine's sharded files (DCP for fsdp, DeepSpeed's own)
         trainer.json         step, tokens seen, loader and scheduler state (rank-independent)
         rng/rank-00000.pt    torch / numpy / python RNG states of each rank
-        manifest.json        written LAST: sha256 of every file, config and data hashes
+        manifest.json        written LAST: xxh3-128 and size of every file, config and data hashes
 
-Every rank writes into ``checkpoints/.tmp-step-000050``; after a barrier, rank 0 hashes the
-files, writes the manifest and renames the folder into place (OLMo-core's tmp-then-rename).
+Every rank writes into ``checkpoints/.tmp-step-000050`` (the engines' files through
+``fastio``, which checksums them as they are written); after a barrier, rank 0 gathers those
+checksums, hashes whatever else is there, writes the manifest and renames the folder into place
+(OLMo-core's tmp-then-rename). Manifests of older checkpoints with sha256 still verify.
 A folder without a manifest that verifies is never resumed from.
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from pipeline.io import read_json, sha256_file, write_json_atomic
+from pipeline.train.fastio import DIGEST, digest_file
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +70,28 @@ def verify(path: Path) -> str | None:
         meta = read_json(manifest)
     except ValueError as err:
         return f"manifest.json is not valid JSON ({err})"
-    for rel, info in meta.get("files", {}).items():
+    files = meta.get("files", {})
+    for rel, info in files.items():
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
         if f.stat().st_size != info["bytes"]:
             return f"{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
-        if sha256_file(f) != info["sha256"]:
-            return f"{rel} does not match its sha256"
+
+    def check(item: tuple[str, dict[str, Any]]) -> str | None:
+        rel, info = item
+        if DIGEST in info:
+            ok = digest_file(path / rel) == info[DIGEST]
+        else:  # manifests written before the switch to xxh3
+            ok = sha256_file(path / rel) == info.get("sha256")
+        return None if ok else f"{rel} does not match its checksum"
+
+    # Several files read at once keep the disk busier than one stream (and leave the pages
+    # cached for the engine's load that follows).
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for why in pool.map(check, files.items()):
+            if why is not None:
+                return why
     return None
 
 
@@ -88,17 +105,29 @@ def latest_valid(root: Path) -> tuple[int, Path] | None:
     return None
 
 
-def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int) -> Path:
-    """Rank 0, after every rank wrote into the tmp folder: manifest last, rename, prune."""
+def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
+             known: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Rank 0, after every rank wrote into the tmp folder: manifest last, rename, prune.
+
+    ``known``: checksums taken as the files were written (``{rel: {DIGEST, "bytes"}}``); any
+    other file, or one whose size no longer matches, is hashed here."""
     tmp = tmp_dir(root, step)
-    paths = [f for f in sorted(tmp.rglob("*")) if f.is_file() and f.name != MANIFEST]
-    # hashlib releases the GIL on large buffers: hash the shard files in parallel.
+    known = known or {}
+    files: dict[str, dict[str, Any]] = {}
+    todo: list[Path] = []
+    for f in sorted(tmp.rglob("*")):
+        if not f.is_file() or f.name == MANIFEST:
+            continue
+        rel = f.relative_to(tmp).as_posix()
+        info = known.get(rel)
+        if info is not None and info.get("bytes") == f.stat().st_size:
+            files[rel] = {DIGEST: info[DIGEST], "bytes": info["bytes"]}
+        else:
+            todo.append(f)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(sha256_file, paths))
-    files = {
-        f.relative_to(tmp).as_posix(): {"sha256": d, "bytes": f.stat().st_size}
-        for f, d in zip(paths, digests, strict=True)
-    }
+        for f, d in zip(todo, pool.map(digest_file, todo), strict=True):
+            files[f.relative_to(tmp).as_posix()] = {DIGEST: d, "bytes": f.stat().st_size}
+    files = dict(sorted(files.items()))
     write_json_atomic(tmp / MANIFEST, {**meta, "step": step, "files": files, "time": time.time()})
     final = step_dir(root, step)
     if final.exists():  # a checkpoint of the same step from an attempt that died after renaming

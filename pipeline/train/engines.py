@@ -133,11 +133,17 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from pipeline.train import fastio
+
         msd, osd = get_state_dict(self.model, self.opt)
         # Several writer threads per rank: DCP's default single thread leaves the disk idle.
-        writer = dcp.FileSystemWriter(str(ckpt / "dcp"), thread_count=4)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
-        return {"scheduler": self.sched.state_dict()}
+        # Files go through fastio's O_DIRECT writer, which checksums and fsyncs them itself.
+        digests = fastio.Digests()
+        writer = dcp.FileSystemWriter(str(ckpt / "dcp"), thread_count=4, sync_files=False)
+        writer.fs = fastio.dcp_filesystem(digests)
+        with fastio.no_torch_crc32():
+            dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+        return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
@@ -190,8 +196,21 @@ class DeepSpeedEngine:
         )
 
     def save(self, ckpt: Path) -> dict[str, Any]:
-        self.engine.save_checkpoint(str(ckpt), tag="ds", save_latest=False)
-        return {}
+        from pipeline.train import fastio
+
+        # DeepSpeed writes every file through its checkpoint engine's save(): route those
+        # through fastio's O_DIRECT writer (checksummed, fsynced), as FastPersist does with aio.
+        digests = fastio.Digests()
+        ce = self.engine.checkpoint_engine
+        serialization = getattr(ce, "zipfile_serialization", False)
+        ce.save = lambda state_dict, path: fastio.torch_save(
+            state_dict, path, digests, _use_new_zipfile_serialization=serialization)
+        try:
+            with fastio.no_torch_crc32():
+                self.engine.save_checkpoint(str(ckpt), tag="ds", save_latest=False)
+        finally:
+            del ce.save  # back to the class's method
+        return {"digests": digests.relative_to(ckpt)}
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         path, _ = self.engine.load_checkpoint(

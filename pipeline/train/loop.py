@@ -355,8 +355,13 @@ def _save(
     ck.save_rng(tmp, env.rank)
     if env.rank == 0:
         write_json_atomic(tmp / "trainer.json", state.to_json())
-    dist.barrier()  # every rank's files are on disk before the manifest vouches for them
+    # Every rank's files are on disk (fsynced by the writer) before the manifest vouches for
+    # them; the checksums taken while writing travel to rank 0 with this gather.
+    digests: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(extra.get("digests", {}), digests, dst=0)
     if env.rank == 0:
+        assert digests is not None
+        known = {k: v for d in digests for k, v in (d or {}).items()}
         ck.finalize(
             root,
             state.step,
@@ -369,6 +374,7 @@ def _save(
                 "tokens_seen": state.tokens_seen,
             },
             run_cfg.train.keep_last,
+            known,
         )
     dist.barrier()
 

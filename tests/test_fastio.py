@@ -1,0 +1,108 @@
+"""fastio: the O_DIRECT, checksumming writer behind every checkpoint file, and the manifest
+that trusts its checksums (and still reads sha256 manifests of older checkpoints)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.train import checkpoint as ck
+from pipeline.train import fastio
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [4095], [4096, 1], [3, fastio.BUFFER_BYTES + 5, 7]])
+def test_writer_round_trip_is_byte_exact_with_the_right_checksum(tmp_path: Path,
+                                                                  sizes: list[int]) -> None:
+    rng = np.random.default_rng(sum(sizes))
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    seen: list[tuple[Path, str, int]] = []
+    path = tmp_path / "f.bin"
+    with fastio.ChecksumWriter(path, on_close=lambda *a: seen.append(a)) as w:
+        for c in chunks:
+            assert w.write(c) == len(c)
+        assert w.tell() == sum(sizes)
+    data = b"".join(chunks)
+    assert path.read_bytes() == data  # the padding of the last O_DIRECT block is cut off
+    assert seen == [(path, fastio.digest_file(path), len(data))]
+
+
+def test_writer_falls_back_when_the_filesystem_refuses_o_direct(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: str, flags: int, *a: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with fastio.ChecksumWriter(tmp_path / "f.bin") as w:
+        w.write(b"abc" * 5000)
+    assert not w.direct
+    assert (tmp_path / "f.bin").read_bytes() == b"abc" * 5000
+
+
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_torch_save_through_the_writer_loads_with_weights_only(tmp_path: Path,
+                                                                zipfile: bool) -> None:
+    # DeepSpeed saves with the legacy (non-zip) format by default: both must round-trip.
+    state = {"w": torch.randn(1000, 37), "step": 3, "nested": {"b": torch.arange(10)}}
+    digests = fastio.Digests()
+    with fastio.no_torch_crc32():
+        fastio.torch_save(state, tmp_path / "s.pt", digests,
+                          _use_new_zipfile_serialization=zipfile)
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+    assert torch.equal(back["nested"]["b"], state["nested"]["b"])
+    entry = digests.relative_to(tmp_path)["s.pt"]
+    assert entry == {fastio.DIGEST: fastio.digest_file(tmp_path / "s.pt"),
+                     "bytes": (tmp_path / "s.pt").stat().st_size}
+
+
+def _tmp_checkpoint(root: Path, step: int) -> Path:
+    tmp = ck.tmp_dir(root, step)
+    (tmp / "dcp").mkdir(parents=True)
+    (tmp / "dcp" / "a.distcp").write_bytes(os.urandom(10000))
+    (tmp / "trainer.json").write_text("{}")
+    return tmp
+
+
+def test_manifest_uses_write_time_checksums_and_verify_reads_the_disk(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    tmp = _tmp_checkpoint(root, 5)
+    real = fastio.digest_file(tmp / "dcp" / "a.distcp")
+    # A checksum from the writer is trusted as is (a wrong one shows at verify, from disk).
+    known = {"dcp/a.distcp": {fastio.DIGEST: "0" * 32, "bytes": 10000}}
+    final = ck.finalize(root, 5, {"backend": "fsdp"}, keep_last=2, known=known)
+    files = json.loads((final / ck.MANIFEST).read_text())["files"]
+    assert files["dcp/a.distcp"][fastio.DIGEST] == "0" * 32
+    assert files["trainer.json"][fastio.DIGEST] == fastio.digest_file(final / "trainer.json")
+    assert "a.distcp does not match its checksum" in ck.verify(final)
+    # With the right checksum it verifies; one flipped byte on disk is caught.
+    tmp = _tmp_checkpoint(root, 6)
+    (tmp / "dcp" / "a.distcp").write_bytes((final / "dcp" / "a.distcp").read_bytes())
+    final = ck.finalize(root, 6, {"backend": "fsdp"}, keep_last=2,
+                        known={"dcp/a.distcp": {fastio.DIGEST: real, "bytes": 10000}})
+    assert ck.verify(final) is None
+    blob = bytearray((final / "dcp" / "a.distcp").read_bytes())
+    blob[1234] ^= 1
+    (final / "dcp" / "a.distcp").write_bytes(bytes(blob))
+    assert "does not match" in ck.verify(final)
+
+
+def test_a_sha256_manifest_of_an_older_checkpoint_still_verifies(tmp_path: Path) -> None:
+    path = tmp_path / "step-000001"
+    path.mkdir()
+    (path / "x.bin").write_bytes(b"hello")
+    files = {"x.bin": {"sha256": hashlib.sha256(b"hello").hexdigest(), "bytes": 5}}
+    (path / ck.MANIFEST).write_text(json.dumps({"step": 1, "files": files}))
+    assert ck.verify(path) is None
+    (path / "x.bin").write_bytes(b"hellp")
+    assert ck.verify(path) == "x.bin does not match its checksum"
