@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Run as a script, bench/ is sys.path[0], and bench/tokenize.py would shadow the standard
 # library's tokenize (which inspect/linecache need): drop it.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(REPO))  # the helpers import tests.conftest
 sys.path.insert(0, str(REPO / "tests" / "cluster"))
 sys.path.insert(0, str(REPO / "tests" / "slurm"))
 
