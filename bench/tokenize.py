@@ -163,9 +163,17 @@ def main() -> None:
         )
         for name, paths, blank in cases:
             docs = read_docs(paths, blank)
-            a, na = bench_pipeline(paths, tok, work / "out-a", blank, fast=True)
-            a2, _ = bench_pipeline(paths, tok, work / "out-a2", blank, fast=False)
-            b, nb = bench_hf(docs, tok)
+            # A small corpus takes well under a second: one untimed pass pays the lazy imports
+            # and thread-pool start-up, then the best of a few alternating runs is kept.
+            reps = 1 if sum(len(d) for d in docs) > 20_000_000 else 3
+            if reps > 1:
+                bench_pipeline(paths, tok, work / "out-warm", blank, fast=True)
+            a = a2 = b = 0.0
+            for _ in range(reps):
+                a_, na = bench_pipeline(paths, tok, work / "out-a", blank, fast=True)
+                a2_, _ = bench_pipeline(paths, tok, work / "out-a2", blank, fast=False)
+                b_, nb = bench_hf(docs, tok)
+                a, a2, b = max(a, a_), max(a2, a2_), max(b, b_)
             line = (
                 f"[{name}] {len(docs)} docs, {na / 1e6:.2f} M tokens | "
                 f"(a) pipeline fast {a / 1e6:.2f} M tok/s, (a') pipeline HF {a2 / 1e6:.2f} M tok/s, "

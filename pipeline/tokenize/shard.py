@@ -367,6 +367,10 @@ def _batches(
     texts: list[str] = []
     meta: list[tuple[str, bool, bool]] = []
     chars = 0
+    # The first batches are small so that encoding starts while reading goes on (a small
+    # shard is otherwise read whole before its first encode); the size then doubles up to
+    # BATCH_CHARS.
+    limit = BATCH_CHARS // 16
     for doc in reader.read(tasks):
         if isinstance(doc, BigDoc):
             digest = reader.scan_big(doc)
@@ -382,9 +386,10 @@ def _batches(
                 meta.append((split, first, nxt is None))
                 chars += len(piece)
                 first = False
-                if chars >= BATCH_CHARS:
+                if chars >= limit:
                     yield texts, meta
                     texts, meta, chars = [], [], 0
+                    limit = min(2 * limit, BATCH_CHARS)
                 if nxt is None:
                     break
                 piece = nxt
@@ -397,9 +402,10 @@ def _batches(
         texts.append(doc)
         meta.append((split, True, True))
         chars += len(doc)
-        if chars >= BATCH_CHARS:
+        if chars >= limit:
             yield texts, meta
             texts, meta, chars = [], [], 0
+            limit = min(2 * limit, BATCH_CHARS)
     if texts:
         yield texts, meta
 
