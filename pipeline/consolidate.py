@@ -33,7 +33,6 @@ import ctypes
 import json
 import math
 import mmap
-import os
 import re
 import shutil
 import sys
@@ -50,6 +49,7 @@ from pipeline.config import load_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
 from pipeline.train import checkpoint as ck
+from pipeline.train import fastio
 from pipeline.train.model import hf_config_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -494,7 +494,9 @@ def write_safetensors(
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     it = iter(tensors)
     for fname, names in zip(files, shards, strict=True):
-        with open(out / fname, "wb") as f:
+        # O_DIRECT (fastio): a buffered write + fsync of a multi-GB shard spends most of its time
+        # in the page cache's copy and writeback, and leaves GBs of dirty pages behind.
+        with fastio.ChecksumWriter(out / fname) as f:
             f.write(_header(names, shapes, dtypes))
             for name in names:
                 got, t = next(it)
@@ -506,8 +508,6 @@ def write_safetensors(
                 # Raw little-endian bytes, no copy (safetensors stores C-order data).
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 del t
-            f.flush()
-            os.fsync(f.fileno())
     if len(files) > 1:
         weight_map = {n: fname for fname, names in zip(files, shards, strict=True) for n in names}
         write_json_atomic(
