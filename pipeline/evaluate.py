@@ -113,7 +113,97 @@ def plot_training(records: list[dict[str, Any]], png: Path, val_loss: float | No
     plt.close(fig)
 
 
-def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path) -> dict[str, Any]:
+#: The built-in lm-eval task: pick a held-out text's true continuation among 4.
+LM_EVAL_TASK = "zerosnake_heldout_continuation"
+LM_EVAL_TEMPLATE = """\
+# Written by pipeline.evaluate from the run's validation split (lm-eval task config).
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def continuation_items(
+    tokenizer: Any, seqs: np.ndarray, n: int = 64, context: int = 48, cont: int = 16, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Four-way choice items from held-out sequences: a context, its true continuation (label
+    0 before shuffling) and three continuations taken from other sequences."""
+    rng = np.random.default_rng(seed)
+    usable = [s for s in seqs if len(s) >= context + cont]
+    if len(usable) < 4:
+        return []
+    items = []
+    for i in range(min(n, len(usable))):
+        others = rng.choice([j for j in range(len(usable)) if j != i], 3, replace=False)
+        conts = [usable[i][context:context + cont]] + [usable[j][context:context + cont] for j in others]
+        choices = [tokenizer.decode(c.tolist()) for c in conts]
+        order = rng.permutation(4)
+        items.append({
+            "context": tokenizer.decode(usable[i][:context].tolist()),
+            "choices": [choices[k] for k in order],
+            "label": int(np.argmax(order == 0)),
+        })
+    return items
+
+
+def run_lm_eval(model_dir: Path, items: list[dict[str, Any]], work: Path,
+                tasks_dir: Path | None = None, tasks: list[str] | None = None) -> dict[str, Any]:
+    """EleutherAI's lm-evaluation-harness on local task files with the consolidated model.
+
+    Runs the built-in held-out continuation task (``items``, written under ``work``) and, when
+    ``tasks_dir`` is given, the ``tasks`` defined by the YAML files there. An optional extra:
+    without the ``lm-eval`` package this returns ``{"skipped": reason}`` instead.
+    """
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        return {"skipped": "the lm-eval package is not installed (pip install lm-eval); "
+                           "harness not run"}
+    work.mkdir(parents=True, exist_ok=True)
+    names = list(tasks or [])
+    include = [str(tasks_dir)] if tasks_dir is not None else []
+    if items:
+        data = work / f"{LM_EVAL_TASK}.jsonl"
+        data.write_text("".join(json.dumps(x) + "\n" for x in items))
+        (work / f"{LM_EVAL_TASK}.yaml").write_text(
+            LM_EVAL_TEMPLATE.format(task=LM_EVAL_TASK, data=json.dumps(str(data))))
+        include.append(str(work))
+        names.insert(0, LM_EVAL_TASK)
+    if not names:
+        return {"skipped": "no lm-eval task: the validation split is too small for the built-in one"}
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(model_dir), "dtype": "float32"},
+        tasks=names,
+        task_manager=TaskManager(include_path=include),
+        batch_size=8,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        log_samples=False,
+    )
+    results = {
+        task: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for task, r in res["results"].items()
+    }
+    return {"version": getattr(lm_eval, "__version__", None), "results": results}
+
+
+def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
+             lm_eval_tasks: Path | None = None, lm_eval_names: list[str] | None = None) -> dict[str, Any]:
     """Evaluate the HF model on the validation split; write metrics, plot and report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -136,8 +226,13 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path) -> dict[
             ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
         )
         samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0])})
+    harness = run_lm_eval(model_dir, continuation_items(tokenizer, seqs), out / "lm_eval",
+                          lm_eval_tasks, lm_eval_names)
+    if "skipped" in harness:
+        print(f"lm-eval: {harness['skipped']}", file=sys.stderr)
     metrics = {
         **result,
+        "lm_eval": harness,
         "vocab_size": model.config.vocab_size,
         "validation_sequences": len(val),
         "step": origin["step"],
@@ -166,9 +261,17 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
         "",
         "![training curves](loss.png)",
         "",
-        "## Samples (greedy)",
-        "",
     ]
+    harness = m.get("lm_eval") or {}
+    if "results" in harness:
+        lines += ["## lm-eval (EleutherAI harness, local tasks)", "", "| task | metric | value |",
+                  "|---|---|---|"]
+        for task, r in harness["results"].items():
+            lines += [f"| {task} | {k} | {v:.4f} |" for k, v in r.items()]
+        lines.append("")
+    elif "skipped" in harness:
+        lines += [f"lm-eval: {harness['skipped']}", ""]
+    lines += ["## Samples (greedy)", ""]
     for sample in m["samples"]:
         lines += ["```", sample["text"], "```", ""]
     return "\n".join(lines)
@@ -183,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, required=True, help="results/data")
     p.add_argument("--run-dir", type=Path, required=True, help="results/runs/<run> (metrics.jsonl)")
     p.add_argument("--out", type=Path, required=True, help="output dir for metrics/plots/report")
+    p.add_argument("--lm-eval-tasks", type=Path, default=None,
+                   help="a folder of lm-eval task YAMLs (local data) to run besides the built-in "
+                        "held-out task; needs the lm-eval package")
+    p.add_argument("--lm-eval-task", action="append", default=None, dest="lm_eval_names",
+                   help="a task name defined in --lm-eval-tasks (repeatable)")
     args = p.parse_args(argv)
     try:
-        m = evaluate(args.model, args.data_dir, args.run_dir, args.out)
+        m = evaluate(args.model, args.data_dir, args.run_dir, args.out,
+                     args.lm_eval_tasks, args.lm_eval_names)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ order and share the work directory.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -120,6 +121,15 @@ def test_evaluation_perplexity_is_finite_and_well_below_vocab(dag, run):
     assert (dag / "results" / "runs" / run / "eval" / "loss.png").stat().st_size > 10_000
     steps = [json.loads(x)["step"] for x in (dag / "results" / "runs" / run / "metrics.jsonl").open()]
     assert steps == list(range(1, 61))
+    # The lm-eval harness (in the test extra) ran the built-in held-out task on the HF model.
+    harness = m["lm_eval"]
+    if importlib.util.find_spec("lm_eval") is None:
+        assert "not installed" in harness["skipped"]
+    else:
+        r = harness["results"]["zerosnake_heldout_continuation"]
+        assert 0.0 <= r["acc,none"] <= 1.0 and r["sample_len"] >= 4, harness
+        report = (dag / "results" / "runs" / run / "eval" / "report.md").read_text()
+        assert "zerosnake_heldout_continuation" in report
 
 
 def test_fsdp_and_deepspeed_compute_the_same_losses(dag):

@@ -1,0 +1,41 @@
+"""The evaluate stage's lm-eval pieces that need no trained model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.evaluate import continuation_items, run_lm_eval
+
+
+class _Tok:
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def test_continuation_items_point_at_the_true_continuation() -> None:
+    seqs = np.arange(10 * 20).reshape(10, 20)  # every sequence distinct
+    items = continuation_items(_Tok(), seqs, n=8, context=12, cont=8)
+    assert len(items) == 8
+    for i, item in enumerate(items):
+        assert item["context"] == _Tok().decode(seqs[i][:12].tolist())
+        assert item["choices"][item["label"]] == _Tok().decode(seqs[i][12:20].tolist())
+        assert len(set(item["choices"])) == 4
+    assert len({it["label"] for it in items}) > 1  # the answer's position is shuffled
+
+
+def test_too_little_held_out_text_gives_no_items() -> None:
+    assert continuation_items(_Tok(), np.zeros((3, 100), np.int64)) == []
+    assert continuation_items(_Tok(), np.zeros((10, 20), np.int64), context=48, cont=16) == []
+
+
+def test_without_lm_eval_the_harness_is_skipped_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
+    got = run_lm_eval(tmp_path / "model", [], tmp_path / "work")
+    assert "not installed" in got["skipped"]
+    assert not (tmp_path / "work").exists()
