@@ -160,9 +160,11 @@ def continuation_items(
     return items
 
 
-def run_lm_eval(model_dir: Path, items: list[dict[str, Any]], work: Path,
+def run_lm_eval(model: Any, tokenizer: Any, items: list[dict[str, Any]], work: Path,
                 tasks_dir: Path | None = None, tasks: list[str] | None = None) -> dict[str, Any]:
-    """EleutherAI's lm-evaluation-harness on local task files with the consolidated model.
+    """EleutherAI's lm-evaluation-harness on local task files with the consolidated model
+    (``model``/``tokenizer``, already loaded from the HF directory: a second copy of a large
+    model would double the job's memory).
 
     Runs the built-in held-out continuation task (``items``, written under ``work``) and, when
     ``tasks_dir`` is given, the ``tasks`` defined by the YAML files there. An optional extra:
@@ -170,6 +172,7 @@ def run_lm_eval(model_dir: Path, items: list[dict[str, Any]], work: Path,
     """
     try:
         import lm_eval
+        from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
         return {"skipped": "the lm-eval package is not installed (pip install lm-eval); "
@@ -187,12 +190,9 @@ def run_lm_eval(model_dir: Path, items: list[dict[str, Any]], work: Path,
     if not names:
         return {"skipped": "no lm-eval task: the validation split is too small for the built-in one"}
     res = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(model_dir), "dtype": "float32"},
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8),
         tasks=names,
         task_manager=TaskManager(include_path=include),
-        batch_size=8,
-        device="cuda" if torch.cuda.is_available() else "cpu",
         log_samples=False,
     )
     results = {
@@ -226,7 +226,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
             ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
         )
         samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0])})
-    harness = run_lm_eval(model_dir, continuation_items(tokenizer, seqs), out / "lm_eval",
+    harness = run_lm_eval(model, tokenizer, continuation_items(tokenizer, seqs), out / "lm_eval",
                           lm_eval_tasks, lm_eval_names)
     if "skipped" in harness:
         print(f"lm-eval: {harness['skipped']}", file=sys.stderr)

@@ -36,6 +36,6 @@ def test_without_lm_eval_the_harness_is_skipped_with_a_reason(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
-    got = run_lm_eval(tmp_path / "model", [], tmp_path / "work")
+    got = run_lm_eval(None, None, [], tmp_path / "work")
     assert "not installed" in got["skipped"]
     assert not (tmp_path / "work").exists()
