@@ -58,12 +58,12 @@ def worker(run_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeline import checkpoint as ck
     from pipeline.config import load_run_config
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
-    from pipeline.train import checkpoint as ck
+    from pipeline.model import build_model
     from pipeline.train.loop import _save, config_hash
-    from pipeline.train.model import build_model
 
     run_cfg = load_run_config(run_dir / "config.json")
     env_ = RankEnv.from_env()

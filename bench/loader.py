@@ -35,8 +35,8 @@ def main() -> None:
     import torch
 
     from pipeline.data import BatchLoader, PackedDataset
+    from pipeline.sources import iter_texts
     from pipeline.tokenize import SourceSpec, gather, tokenize_shard
-    from pipeline.tokenize.sources import iter_texts
     from pipeline.tokenizer import train_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="zs-bench-loader-"))

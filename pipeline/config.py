@@ -135,7 +135,7 @@ class ModelConfig(_Strict):
     def _apply_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not data.get("preset"):
             return data
-        from pipeline.plan.presets import PRESETS
+        from pipeline.presets import PRESETS
 
         name = data["preset"]
         if name not in PRESETS:

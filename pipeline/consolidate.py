@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
+from pipeline import checkpoint as ck
+from pipeline import fastio
 from pipeline.config import load_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
-from pipeline.train import checkpoint as ck
-from pipeline.train import fastio
-from pipeline.train.model import hf_config_dict
+from pipeline.model import hf_config_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = (

@@ -255,8 +255,8 @@ def synthetic_run(root: Path, data_dir: Path, *, hidden: int, inter: int, layers
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from pipeline import checkpoint as ck
     from pipeline.io import read_json, sha256_file, write_json_atomic
-    from pipeline.train import checkpoint as ck
 
     cfg = dict(BASE, runs={"big": {}})
     cfg["model"] = dict(BASE["model"], hidden_size=hidden, intermediate_size=inter,

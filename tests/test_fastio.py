@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.train import checkpoint as ck
-from pipeline.train import fastio
+from pipeline import checkpoint as ck
+from pipeline import fastio
 
 
 @pytest.mark.parametrize("sizes", [[0], [1], [4095], [4096, 1], [3, fastio.BUFFER_BYTES + 5, 7]])

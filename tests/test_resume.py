@@ -192,7 +192,7 @@ def test_a_corrupted_checkpoint_is_skipped_for_the_previous_one(reference, data_
         time.sleep(0.01)
     kill_a_rank(proc)
     finish(proc, expect_ok=False)
-    from pipeline.train.checkpoint import _steps
+    from pipeline.checkpoint import _steps
 
     (newest_step, newest), *_ = reversed(_steps(run_dir / "checkpoints"))
     victim = next(p for p in newest.rglob("*.distcp"))
@@ -276,7 +276,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(da
     assert "loss is nan at step" in err or "loss is inf at step" in err, err[-2000:]
     nan_step = next(json.loads(x)["step"] for x in (run_dir / "events.jsonl").read_text().splitlines()
                     if '"nan"' in x)
-    from pipeline.train.checkpoint import latest_valid
+    from pipeline.checkpoint import latest_valid
 
     good = latest_valid(run_dir / "checkpoints")
     assert good is not None and good[0] == nan_step - 1

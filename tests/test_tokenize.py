@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import pipeline.sources as sources_mod
 import pipeline.tokenize.shard as shard_mod
-import pipeline.tokenize.sources as sources_mod
 from pipeline.errors import PipelineError
 from pipeline.tokenize import SourceSpec, gather, shard_path, stats_path, tokenize_shard
 from pipeline.tokenizer import load_tokenizer, train_tokenizer

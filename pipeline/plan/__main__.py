@@ -10,9 +10,9 @@ import sys
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import ACCOUNTINGS
 from pipeline.plan.preflight import check
-from pipeline.plan.presets import PRESETS, ModelShape, resolve_model
 from pipeline.plan.report import render_plan_md
 from pipeline.plan.spec import FSDP_SHARDINGS, BatchSpec, Cluster, Strategy
+from pipeline.presets import PRESETS, ModelShape, resolve_model
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -41,9 +41,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pipeline.errors import PipelineError
-from pipeline.plan.presets import ModelShape
 from pipeline.plan.spec import BatchSpec, Strategy
 from pipeline.plan.topology import ParallelDims
+from pipeline.presets import ModelShape
 
 Accounting = Literal["paper", "deepspeed"]
 ACCOUNTINGS: tuple[str, ...] = ("paper", "deepspeed")

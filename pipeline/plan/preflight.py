@@ -12,10 +12,10 @@ from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.plan.deepspeed_config import PIPELINE_ENGINE_KEYS, SEED_KEY_MAPPING, render_ds_config
 from pipeline.plan.memory import Accounting
-from pipeline.plan.presets import ModelShape
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, plan
 from pipeline.plan.topology import batch_problems
+from pipeline.presets import ModelShape
 
 
 class _ReadTracker(dict):

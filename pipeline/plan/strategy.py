@@ -15,9 +15,9 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import ACCOUNTINGS, Accounting, MemoryBreakdown, estimate_memory
-from pipeline.plan.presets import ModelShape
 from pipeline.plan.spec import GB, BatchSpec, Cluster, Strategy
 from pipeline.plan.topology import ParallelDims, resolve_grad_accum
+from pipeline.presets import ModelShape
 
 
 @dataclass(kw_only=True, frozen=True)

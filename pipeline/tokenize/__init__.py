@@ -4,7 +4,7 @@
 :func:`tokenize_shard`, :func:`gather` and :class:`SourceSpec`.
 """
 
+from pipeline.sources import SourceSpec
 from pipeline.tokenize.shard import gather, shard_path, stats_path, tokenize_shard
-from pipeline.tokenize.sources import SourceSpec
 
 __all__ = ["SourceSpec", "gather", "shard_path", "stats_path", "tokenize_shard"]

@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0].startswith("--") and argv[0] not in ("--help", "-h"):
         argv.insert(0, "shard")  # `python -m pipeline.tokenize --input ...` = one shard
     args = _parser().parse_args(argv)
+    from pipeline.sources import SourceSpec
     from pipeline.tokenize.shard import gather, tokenize_shard
-    from pipeline.tokenize.sources import SourceSpec
 
     try:
         if args.cmd == "shard":

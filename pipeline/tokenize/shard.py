@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
-from pipeline.tokenize.sources import BigDoc, DocReader, SourceSpec, plan
+from pipeline.sources import BigDoc, DocReader, SourceSpec, plan
 from pipeline.tokenizer import (
     HFEncoder,
     TiktokenEncoder,

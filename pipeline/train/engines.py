@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
-from pipeline.train.model import decoder_layers
+from pipeline.model import decoder_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from pipeline.train import fastio
+        from pipeline import fastio
 
         msd, osd = get_state_dict(self.model, self.opt)
         # Several writer threads per rank: DCP's default single thread leaves the disk idle.
@@ -196,7 +196,7 @@ class DeepSpeedEngine:
         )
 
     def save(self, ckpt: Path) -> dict[str, Any]:
-        from pipeline.train import fastio
+        from pipeline import fastio
 
         # DeepSpeed writes every file through its checkpoint engine's save(): route those
         # through fastio's O_DIRECT writer (checksummed, fsynced), as FastPersist does with aio.

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline import checkpoint as ck
 from pipeline.config import RunConfig, load_run_config
 from pipeline.distenv import RankEnv
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, sha256_json, write_json_atomic
-from pipeline.train import checkpoint as ck
-from pipeline.train.model import build_model, flops_per_token, peak_flops
+from pipeline.model import build_model, flops_per_token, peak_flops
 
 log = logging.getLogger("pipeline.train")
 

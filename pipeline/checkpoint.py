@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.fastio import DIGEST, digest_file
 from pipeline.io import read_json, sha256_file, write_json_atomic
-from pipeline.train.fastio import DIGEST, digest_file
 
 log = logging.getLogger(__name__)
 
