@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,34 +30,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.artifacts import CKPT_MANIFEST, checkpoint_steps, step_name
 from pipeline.fastio import DIGEST, digest_file
 from pipeline.io import read_json, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-STEP_RE = re.compile(r"^step-(\d{6,})$")
-MANIFEST = "manifest.json"
+MANIFEST = CKPT_MANIFEST
 
 
 def step_dir(root: Path, step: int) -> Path:
     """The folder name of the checkpoint of ``step``."""
-    return root / f"step-{step:06d}"
+    return root / step_name(step)
 
 
 def tmp_dir(root: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` is built before it is renamed into place."""
-    return root / f".tmp-step-{step:06d}"
-
-
-def _steps(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return root / f".tmp-{step_name(step)}"
 
 
 def verify(path: Path) -> str | None:
@@ -97,7 +85,7 @@ def verify(path: Path) -> str | None:
 
 def latest_valid(root: Path) -> tuple[int, Path] | None:
     """The newest checkpoint whose manifest verifies; broken ones are skipped with a warning."""
-    for step, path in reversed(_steps(root)):
+    for step, path in reversed(checkpoint_steps(root)):
         why = verify(path)
         if why is None:
             return step, path
@@ -134,7 +122,7 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for _, old in _steps(root)[:-keep_last]:
+    for _, old in checkpoint_steps(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -1,0 +1,356 @@
+"""The contract between stages: every file they exchange, its name, and one reader/writer each.
+
+Stages talk only through files under the results tree (docs/ARCHITECTURE.md describes each
+one). This module is where those names live and where they are read and written, so that a
+name is spelled once and a torn line, a half-written folder or a missing file is treated the
+same way by every stage. It imports no torch: the login node's commands (status, launch,
+plan) use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.io import write_json_atomic
+
+# --- exit codes ------------------------------------------------------------------------------
+EXIT_OK = 0
+#: A user's mistake (bad config, bad path): one line on stderr, no traceback.
+EXIT_USAGE = 2
+#: "Stopped at a checkpoint on request; requeue me" (EX_TEMPFAIL from sysexits.h).
+EXIT_REQUEUE = 75
+
+# --- the data directory (tokenize → render, train, consolidate, evaluate) ---------------------
+DATA_MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+SHARDS_DIR = "shards"
+
+# --- a run directory -------------------------------------------------------------------------
+RUN_CONFIG = "config.json"  # render: the run's effective config
+DS_CONFIG = "ds_config.json"  # render
+FSDP_CONFIG = "fsdp.json"  # render
+TOPOLOGY = "topology.json"  # render
+PLAN_MD = "plan.md"  # render
+PLAN_JSON = "plan.json"  # render: the planner's figures, machine-readable
+LAUNCH = "launch.json"  # render: the launch command and the sbatch submission it makes
+JOB = "job.json"  # train launcher: the submitted job (reattach reads it)
+EVENTS = "events.jsonl"  # train: launcher and rank-0 events, one JSON object per line
+METRICS = "metrics.jsonl"  # train: one JSON object per optimizer step
+TRAIN_DONE = "train.done"  # train: written last when training finished (the rule's output)
+STOPPED = "stopped.json"  # train: rank 0 stopped at a checkpoint on request
+STOP = "STOP"  # launcher → ranks: stop at the next agreed step and save
+LOCK = "train.lock"  # train: rank 0 holds it while training (one trainer per run dir)
+PROBE_LOGITS = "probe_logits.safetensors"  # train → consolidate: logits of the final model
+CHECKPOINTS = "checkpoints"
+NODES = "nodes"  # launcher: one record per node and attempt
+SUBMITIT = "submitit"
+HF_DIR = "hf"  # consolidate
+HF_PROVENANCE = "zerosnake.json"  # consolidate: which checkpoint the HF dir came from
+EVAL_DIR = "eval"  # evaluate: metrics.json, loss.png, report.md
+EVAL_METRICS = "metrics.json"
+
+# --- a checkpoint folder ---------------------------------------------------------------------
+CKPT_MANIFEST = "manifest.json"  # written last: the checkpoint is complete once it exists
+CKPT_TRAINER = "trainer.json"
+STEP_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def step_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory (``results/runs/<run>``)."""
+
+    path: Path
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def train_done(self) -> Path:
+        return self.path / TRAIN_DONE
+
+    @property
+    def stopped(self) -> Path:
+        return self.path / STOPPED
+
+    @property
+    def stop(self) -> Path:
+        return self.path / STOP
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def job(self) -> Path:
+        return self.path / JOB
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def hf(self) -> Path:
+        return self.path / HF_DIR
+
+    @property
+    def eval(self) -> Path:
+        return self.path / EVAL_DIR
+
+
+# --- JSON and JSON lines ---------------------------------------------------------------------
+
+
+def read_json_or_none(path: Path) -> Any:
+    """A JSON file's content, or None when it is missing or unreadable (a status display's
+    view; stages that need the file use :func:`read_artifact`)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_artifact(path: Path, what: str, *, hint: str = "") -> dict[str, Any]:
+    """A JSON object a stage needs, or a :class:`PipelineError` naming the file and what to do."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: no {what}{'; ' + hint if hint else ''}") from None
+    except (OSError, ValueError) as err:
+        raise PipelineError(
+            f"{path}: {what} is unreadable ({err}){'; ' + hint if hint else ''}"
+        ) from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+def read_jsonl(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; a line cut by a crash (or the first, cut line of a
+    tail read) is skipped, the rest still count. ``tail_bytes``: read only the end (metrics
+    grow with the run). A missing file has no records."""
+    try:
+        with path.open("rb") as f:
+            if tail_bytes is not None:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - tail_bytes))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def append_jsonl(path: Path, rec: dict[str, Any]) -> None:
+    """Append one record as one line. One write of a whole line stays whole on a local
+    filesystem; readers skip a line cut by a crash."""
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def append_event(run_dir: Path, name: str, **kw: Any) -> None:
+    """One line in the run's events.jsonl."""
+    append_jsonl(run_dir / EVENTS, {"event": name, "time": time.time(), **kw})
+
+
+def read_events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """The run's events (only those called ``name`` when given)."""
+    events = read_jsonl(run_dir / EVENTS)
+    return events if name is None else [e for e in events if e.get("event") == name]
+
+
+def read_metrics(run_dir: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """The run's per-step metrics (records without a step are skipped)."""
+    return [m for m in read_jsonl(run_dir / METRICS, tail_bytes) if "step" in m]
+
+
+def attempts(run_dir: Path) -> int:
+    """How many times the training loop started on this run (rank 0's ``start`` events)."""
+    return len(read_events(run_dir, "start"))
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+def checkpoint_steps(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-NNNNNN`` folder under ``root``, oldest first
+    (complete or not: see :func:`latest_checkpoint`)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run: its manifest (written last) exists. Cheap, no
+    checksums: what status and the launcher report. The trainer and consolidate resume from
+    or read the newest one that also *verifies* (``pipeline.checkpoint.latest_valid``)."""
+    for _, path in reversed(checkpoint_steps(run_dir / CHECKPOINTS)):
+        if (path / CKPT_MANIFEST).is_file():
+            return path
+    return None
+
+
+def latest_checkpoint_name(run_dir: Path) -> str | None:
+    """:func:`latest_checkpoint`'s folder name (what events and messages show)."""
+    found = latest_checkpoint(run_dir)
+    return found.name if found else None
+
+
+# --- typed records ---------------------------------------------------------------------------
+
+
+def read_train_done(run_dir: Path) -> dict[str, Any]:
+    """``train.done``: the summary training wrote when it finished."""
+    return read_artifact(run_dir / TRAIN_DONE, "train.done",
+                         hint="training has not finished; run the train rule")
+
+
+def write_train_done(run_dir: Path, summary: dict[str, Any]) -> None:
+    write_json_atomic(run_dir / TRAIN_DONE, summary)
+
+
+def read_job(run_dir: Path) -> dict[str, Any] | None:
+    """``job.json`` (the submitted job), or None when absent or unreadable."""
+    rec = read_json_or_none(run_dir / JOB)
+    return rec if isinstance(rec, dict) else None
+
+
+def write_job(run_dir: Path, rec: dict[str, Any]) -> None:
+    write_json_atomic(run_dir / JOB, rec)
+
+
+def read_data_manifest(data_dir: Path) -> dict[str, Any]:
+    """The tokenized data's ``manifest.json`` (gather writes it)."""
+    return read_artifact(data_dir / DATA_MANIFEST, "data manifest",
+                         hint="run the tokenize stage first")
+
+
+def read_run_config_json(run_dir: Path) -> dict[str, Any]:
+    """The rendered run's ``config.json`` as plain JSON (``pipeline.config.load_run_config``
+    parses and validates it)."""
+    return read_artifact(run_dir / RUN_CONFIG, "rendered run config",
+                         hint="run the render stage first")
+
+
+def inside(base: Path, rel: str) -> Path:
+    """``base / rel`` when it stays inside ``base`` (paths read from artifacts are data)."""
+    path = (base / rel).resolve()
+    root = base.resolve()
+    if path != root and root not in path.parents:
+        raise PipelineError(f"path {rel!r} read from an artifact leaves {base}")
+    return path
+
+
+# --- atomic file and folder replacement ------------------------------------------------------
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_replaceable(dest: Path, marker: str) -> None:
+    """Raise unless ``dest`` is absent or holds ``marker`` (it is what this command wrote
+    before): a command never replaces a folder it did not create."""
+    if not dest.exists() and not dest.is_symlink():
+        return
+    if dest.is_symlink() or not dest.is_dir():
+        raise PipelineError(f"{dest} exists and is not a folder this command wrote: choose "
+                            "another output path")
+    if not (dest / marker).is_file():
+        raise PipelineError(
+            f"{dest} exists and was not written by this command (no {marker} inside): "
+            "nothing was changed; choose another output path or remove it yourself"
+        )
+
+
+@contextlib.contextmanager
+def replacing_dir(dest: Path, marker: str) -> Iterator[Path]:
+    """Build a folder beside ``dest`` and put it in place atomically when the block succeeds.
+
+    The block writes into the yielded folder, ``marker`` included. ``dest`` may be absent or
+    hold ``marker`` (written by the same command before); anything else is refused before the
+    block runs. The old folder is swapped out in one step (renameat2 RENAME_EXCHANGE where the
+    kernel has it, else rename aside then in) and removed; on failure nothing at ``dest``
+    changes and the half-built folder is removed."""
+    dest = Path(dest)
+    check_replaceable(dest, marker)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        yield tmp
+        assert (tmp / marker).is_file(), f"{marker} was not written into {tmp}"
+        check_replaceable(dest, marker)  # again: it may have appeared meanwhile
+        if dest.exists() and _exchange(tmp, dest):
+            shutil.rmtree(tmp)  # tmp now holds the old folder
+        elif dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
