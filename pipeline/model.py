@@ -30,20 +30,38 @@ def hf_config_dict(model: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: 
     }
 
 
+def _init_dir(model: ModelConfig) -> Path:
+    path = Path(str(model.init_from))
+    if not (path / "config.json").is_file():
+        raise PipelineError(
+            f"model.init_from: {path} is not an HF model directory (no config.json)"
+        )
+    return path
+
+
+def hf_model_config(
+    model: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None
+) -> Any:
+    """The HF config of the model a run trains: the ``init_from`` directory's own, or a
+    ``LlamaConfig`` from the run's model settings. The trainer builds its model from it and
+    consolidate writes it, so both always agree."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if model.init_from:
+        return AutoConfig.from_pretrained(_init_dir(model))
+    return LlamaConfig(**hf_config_dict(model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id))
+
+
 def build_model(
     model: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None, seed: int
 ) -> Any:
-    """A fp32 ``LlamaForCausalLM`` with identical weights on every rank (same seed)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    """A fp32 causal LM with identical weights on every rank (same seed, or the ``init_from``
+    directory's weights)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if model.init_from:
-        path = Path(model.init_from)
-        if not (path / "config.json").is_file():
-            raise PipelineError(
-                f"model.init_from: {path} is not an HF model directory (no config.json)"
-            )
         m = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=model.attn_implementation
+            _init_dir(model), dtype=torch.float32, attn_implementation=model.attn_implementation
         )
         if m.config.vocab_size < vocab_size:
             raise PipelineError(
@@ -53,7 +71,7 @@ def build_model(
             )
         m.config.use_cache = False
         return m
-    cfg = LlamaConfig(**hf_config_dict(model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id))
+    cfg = hf_model_config(model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id)
     cfg._attn_implementation = model.attn_implementation
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)

@@ -201,6 +201,7 @@ def test_a_corrupted_checkpoint_is_refused_and_the_old_output_kept(trained, work
     out = work / "hf-broken"
     out.mkdir()
     (out / "keep.txt").write_text("previous output")
+    (out / "zerosnake.json").write_text("{}")  # a previous output of this command carries it
     ckpt = run / "checkpoints" / json.loads((run / "train.done").read_text())["checkpoint"]
     shard = next((ckpt / "dcp").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
