@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import artifacts as af
 from pipeline.errors import PipelineError
-from pipeline.io import read_json, write_json_atomic, write_text_atomic
+from pipeline.io import write_json_atomic, write_text_atomic
 
 # No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
 PROMPTS = ("def", "import", "class", "The")
@@ -78,14 +79,9 @@ def perplexity(
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl, keeping the last record of each step (a resumed run repeats some)."""
-    if not path.is_file():
-        return []
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            by_step[rec["step"]] = rec
+    """metrics.jsonl, keeping the last record of each step (a resumed run repeats some); a
+    line cut by a crash is skipped (``pipeline.artifacts.read_jsonl``)."""
+    by_step = {rec["step"]: rec for rec in af.read_jsonl(path) if "step" in rec}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -209,7 +205,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
 
     from pipeline.data import PackedDataset
 
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / af.RUN_CONFIG).is_file():
         raise PipelineError(f"{model_dir} is not an HF model directory: run consolidate first")
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     model.eval()
@@ -217,8 +213,9 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
     val = PackedDataset(data_dir, split="validation")
     seqs = np.stack([val[i] for i in range(len(val))]) if len(val) else np.zeros((0, 2), np.int32)
     result = perplexity(model, seqs, token_byte_lengths(tokenizer))
-    origin = read_json(model_dir / "zerosnake.json")
-    records = read_metrics(run_dir / "metrics.jsonl")
+    origin = af.read_artifact(model_dir / af.HF_PROVENANCE, "consolidation record",
+                              hint="run consolidate again")
+    records = read_metrics(run_dir / af.METRICS)
     samples = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -240,7 +237,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
         "final_train_loss": records[-1]["loss"] if records else None,
         "samples": samples,
     }
-    write_json_atomic(out / "metrics.json", metrics)
+    write_json_atomic(out / af.EVAL_METRICS, metrics)
     plot_training(records, out / "loss.png", result["loss"])
     write_text_atomic(out / "report.md", _report(run_dir.name, metrics, records))
     return metrics
@@ -297,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.lm_eval_tasks, args.lm_eval_names)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return af.EXIT_USAGE
     print(json.dumps({k: m[k] for k in ("loss", "perplexity", "tokens")}))
     return 0
 

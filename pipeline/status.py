@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import artifacts as af
 from pipeline.distenv import squeue_states
 
 #: How many of the newest metrics records the tokens/s column averages.
@@ -42,74 +43,47 @@ class RunStatus:
 HEADER = ["run", "stage", "job", "slurm", "step", "restarts", "checkpoint", "tokens/s"]
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _jsonl(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file (only the last ``tail_bytes`` when given: metrics grow)."""
-    try:
-        with path.open("rb") as f:
-            if tail_bytes is not None:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - tail_bytes))
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in data.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # the first, cut line of a tail read, or a line cut by a crash
-    return out
-
-
 def _stage(run_dir: Path, job: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> str:
-    if (run_dir / "eval" / "metrics.json").exists():
+    if (run_dir / af.EVAL_DIR / af.EVAL_METRICS).exists():
         return "evaluated"
-    if (run_dir / "hf" / "config.json").exists():
+    if (run_dir / af.HF_DIR / af.RUN_CONFIG).exists():
         return "consolidated"
-    if (run_dir / "train.done").exists():
+    if (run_dir / af.TRAIN_DONE).exists():
         return "trained"
-    if (run_dir / "stopped.json").exists():
+    if (run_dir / af.STOPPED).exists():
         return "stopped"
     if metrics:
         return "training"
     if job is not None:
         return "submitted"
-    if (run_dir / "config.json").exists():
+    if (run_dir / af.RUN_CONFIG).exists():
         return "rendered"
     return "new"
 
 
 def run_status(run_dir: Path) -> RunStatus:
     """Everything but the Slurm state (filled in by :func:`collect`, one squeue for all)."""
-    job = _read_json(run_dir / "job.json")
-    metrics = _jsonl(run_dir / "metrics.jsonl", tail_bytes=64 * 1024)
-    events = _jsonl(run_dir / "events.jsonl")
-    cfg = _read_json(run_dir / "config.json") or {}
+    job = af.read_job(run_dir)
+    metrics = af.read_metrics(run_dir, tail_bytes=64 * 1024)
+    cfg = af.read_json_or_none(run_dir / af.RUN_CONFIG)
+    cfg = cfg if isinstance(cfg, dict) else {}
     st = RunStatus(run=run_dir.name, stage=_stage(run_dir, job, metrics))
     if job is not None:
         st.job_id = str(job.get("job_id", "-"))
         if job.get("launcher") == "local":
             st.slurm_state = "local"
-    max_steps = cfg.get("train", {}).get("max_steps")
+    train = cfg.get("train")
+    max_steps = train.get("max_steps") if isinstance(train, dict) else None
     if metrics:
         last = metrics[-1]["step"]
         st.step = f"{last}/{max_steps}" if max_steps else str(last)
-        rates = [m["tokens_per_s"] for m in metrics[-RATE_WINDOW:] if m.get("tokens_per_s")]
+        rates = [m["tokens_per_s"] for m in metrics[-RATE_WINDOW:]
+                 if isinstance(m.get("tokens_per_s"), (int, float))]
         if rates:
             st.tokens_per_s = f"{sum(rates) / len(rates):,.0f}"
-    # Restarts: attempts of the training loop beyond the first ("start" events by rank 0).
-    st.restarts = max(0, sum(1 for e in events if e.get("event") == "start") - 1)
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")
-                   if (p / "manifest.json").is_file())
-    if ckpts:
-        st.checkpoint = ckpts[-1]
+    # Restarts: attempts of the training loop beyond the first.
+    st.restarts = max(0, af.attempts(run_dir) - 1)
+    st.checkpoint = af.latest_checkpoint_name(run_dir) or "-"
     return st
 
 
@@ -149,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.results.is_dir():
         print(f"error: no results directory at {args.results}", file=sys.stderr)
-        return 2
+        return af.EXIT_USAGE
     rows = collect(args.results)
     if args.json:
         for r in rows:
