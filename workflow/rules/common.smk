@@ -4,7 +4,6 @@ import os
 import sys
 
 from pipeline.config import expand_sources, parse_config
-from pipeline.render import render_run
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
 # (the project's venv) even when the venv is not activated; Slurm jobs inherit this PATH.
@@ -15,9 +14,16 @@ DATA = "results/data"
 SHARDS = [f"{i:05d}" for i in range(CFG.data.shards)]
 SOURCE_FILES = expand_sources(CFG.data.sources)
 # Pre-flight of every run (batch arithmetic, divisibility, memory plan, DeepSpeed keys) before
-# any job is queued. The render rule repeats it with the tokenizer's real vocabulary size.
-for _run in RUNS:
-    render_run(CFG.run(_run), vocab_size=CFG.data.tokenizer.vocab_size)
+# any job is queued, in the main Snakemake process only: every cluster job of the executor
+# plugin (and every `run:` subprocess) parses this file again, and the main process has already
+# checked the same config. A pass is cached under .snakemake/zerosnake/preflight/, keyed by the
+# run's effective config, the pipeline's source and the DeepSpeed/torch versions, so a restart
+# with nothing changed imports neither the planner nor DeepSpeed (pipeline/preflight_cache.py).
+# The render rule repeats the check with the tokenizer's real vocabulary size.
+if workflow.is_main_process:
+    from pipeline.preflight_cache import preflight_runs
+
+    preflight_runs(CFG)
 
 
 wildcard_constraints:

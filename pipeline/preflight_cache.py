@@ -1,0 +1,131 @@
+"""The workflow's start-up pre-flight, with its verdict cached.
+
+The Snakefile checks every run before any job is queued (batch arithmetic, divisibility, the
+memory plan, DeepSpeed keys: ``pipeline.render.render_run``). That costs the planner and, for a
+DeepSpeed run, an import of DeepSpeed and torch (~2 s). A run that passed once passes again as
+long as nothing that decides the verdict changed, so a pass is recorded under
+``.snakemake/zerosnake/preflight/`` keyed by the sha256 of:
+
+- the run's effective config (model, cluster, train, plan, data) and the vocabulary size;
+- the installed versions of DeepSpeed, torch and pydantic, and Python's;
+
+and the marker lists the sha256 of every ``pipeline`` module that was loaded when the run
+passed (the checks are code): a hit whose modules changed since is checked again.
+
+A failure is never cached: it is recomputed and raised every time, with its message. The
+cache is on unless ``ZEROSNAKE_PREFLIGHT_CACHE=0``. Nothing here imports the planner, torch or
+DeepSpeed unless a run has to be checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+#: Where passes are recorded, relative to the workflow's working directory.
+CACHE_DIR = Path(".snakemake") / "zerosnake" / "preflight"
+#: Installed distributions whose version can change a verdict.
+_DISTRIBUTIONS = ("deepspeed", "torch", "pydantic")
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def environment_fingerprint() -> dict[str, str]:
+    """Versions that can change a verdict, read from metadata (nothing imported)."""
+    versions = {"python": sys.version}
+    for dist in _DISTRIBUTIONS:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "absent"
+    return versions
+
+
+def run_key(run_dump: dict[str, Any], *, vocab_size: int | None) -> str:
+    """The cache key of one run's verdict: its effective config, vocabulary and versions."""
+    blob = json.dumps({"run": run_dump, "vocab_size": vocab_size,
+                       "env": environment_fingerprint()},
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def loaded_pipeline_sources() -> dict[str, str]:
+    """Relative path → sha256 of every ``pipeline`` module loaded now (after a check: the code
+    the verdict came from, whatever the planner imports today)."""
+    sources = {}
+    for name, module in list(sys.modules.items()):
+        if name != "pipeline" and not name.startswith("pipeline."):
+            continue
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        path = Path(file).resolve()
+        try:
+            sources[str(path.relative_to(_PACKAGE))] = _sha(path)
+        except (ValueError, OSError):
+            continue
+    return dict(sorted(sources.items()))
+
+
+def _still_valid(marker: Path) -> bool:
+    """The marker exists and the pipeline source it was checked with is unchanged."""
+    try:
+        recorded = json.loads(marker.read_text())["code"]
+        return bool(recorded) and all(_sha(_PACKAGE / rel) == sha for rel, sha in recorded.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def cache_enabled() -> bool:
+    return os.environ.get("ZEROSNAKE_PREFLIGHT_CACHE", "1") not in ("0", "false", "no", "")
+
+
+def preflight_runs(cfg: Any, *, names: Iterable[str] | None = None,
+                   cache_dir: Path | None = CACHE_DIR) -> dict[str, str]:
+    """Pre-flight every run of ``cfg`` (a ``pipeline.config.Config``) not already passed.
+
+    Returns run name → ``"cached"`` or ``"checked"``. Raises ``PipelineError`` (from
+    ``render_run``) for the first run that fails; failures are not recorded.
+    ``cache_dir=None`` (or ``ZEROSNAKE_PREFLIGHT_CACHE=0``) checks every run.
+    """
+    if cache_dir is not None and not cache_enabled():
+        cache_dir = None
+    vocab_size = cfg.data.tokenizer.vocab_size
+    verdicts: dict[str, str] = {}
+    for name in names if names is not None else cfg.run_names():
+        run = cfg.run(name)
+        marker = None
+        if cache_dir is not None:
+            key = run_key(run.model_dump(mode="json"), vocab_size=vocab_size)
+            marker = Path(cache_dir) / f"{key}.ok"
+            if _still_valid(marker):
+                verdicts[name] = "cached"
+                continue
+        from pipeline.render import render_run  # the planner (and DeepSpeed) only on a miss
+
+        render_run(run, vocab_size=vocab_size)
+        verdicts[name] = "checked"
+        if marker is not None:
+            _record(marker, name)
+    return verdicts
+
+
+def _record(marker: Path, name: str) -> None:
+    """Write a pass marker atomically; a read-only or racing directory only loses the cache."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"run": name, "code": loaded_pipeline_sources()},
+                                  indent=1) + "\n")
+        os.replace(tmp, marker)
+    except OSError:
+        pass
