@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     from pipeline.data import BatchLoader, PackedDataset
-    from pipeline.sources import iter_texts
+    from pipeline.readers import iter_texts
     from pipeline.tokenize import SourceSpec, gather, tokenize_shard
     from pipeline.tokenizer import train_tokenizer
 

@@ -62,7 +62,8 @@ def build_stdlib_corpus(dst: Path, min_mb: int) -> tuple[list[Path], int]:
 
 
 def read_docs(paths: list[Path], blank_line: bool) -> list[str]:
-    from pipeline.sources import DocReader, SourceSpec, plan
+    from pipeline.readers import DocReader
+    from pipeline.sources import SourceSpec, plan
 
     spec = SourceSpec.from_args(
         [str(p) for p in paths], doc_split="blank-line" if blank_line else "file"
@@ -136,7 +137,8 @@ def main() -> None:
     ap.add_argument("--skip-datasets", action="store_true")
     args = ap.parse_args()
 
-    from pipeline.sources import SourceSpec, iter_texts
+    from pipeline.readers import iter_texts
+    from pipeline.sources import SourceSpec
     from pipeline.tokenizer import cpu_count, train_tokenizer
 
     cores = cpu_count()

@@ -16,16 +16,30 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
+from pipeline.sources import expand_paths
 
 #: Run names become directory names and Slurm job names: keep them boring.
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# The value sets of the config's choices, defined once: the planner (pipeline.plan.spec), the
+# stage CLIs and the readers take them from here.
+SourceFormat = Literal["auto", "txt", "jsonl", "parquet"]
+DocSplit = Literal["file", "blank-line"]
+OnInvalid = Literal["skip", "fail"]
+Device = Literal["auto", "cpu", "cuda"]
+Backend = Literal["fsdp", "deepspeed"]
+FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+StrategyMode = Literal["manual", "auto"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Accounting = Literal["deepspeed", "paper"]
+AttnImplementation = Literal["eager", "sdpa"]
 
 
 class _Strict(BaseModel):
@@ -40,11 +54,11 @@ class SourceConfig(_Strict):
     path: str
     """File, directory or glob. A leading ``<stdlib>`` expands to the Python standard library's
     source directory (the embedded default corpus, present on every machine)."""
-    format: Literal["auto", "txt", "jsonl", "parquet"] = "auto"
+    format: SourceFormat = "auto"
     """Input format; ``auto`` decides by file extension (``.gz``/``.zst`` are looked through)."""
     text_field: str = "text"
     """JSONL field / Parquet column holding the document text."""
-    doc_split: Literal["file", "blank-line"] = "file"
+    doc_split: DocSplit = "file"
     """For txt: one document per file, or one per blank-line-separated block."""
 
 
@@ -72,7 +86,7 @@ class DataConfig(_Strict):
     """Number of parallel tokenize jobs (and shard files)."""
     val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     """Fraction of documents held out for validation (chosen by a hash of each document)."""
-    on_invalid: Literal["skip", "fail"] = "skip"
+    on_invalid: OnInvalid = "skip"
     """Documents that are not valid UTF-8 (or bad JSONL lines): skip and count, or fail."""
     bos: bool = False
     """Prepend BOS to every document (EOS is always appended)."""
@@ -127,7 +141,7 @@ class ModelConfig(_Strict):
     """Share the input embedding and the output projection."""
     rope_theta: float = Field(10000.0, gt=0)
     """Base of the rotary position embedding."""
-    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    attn_implementation: AttnImplementation = "sdpa"
     """Attention kernel used in training (``eager`` makes logits comparisons exact)."""
 
     @model_validator(mode="before")
@@ -166,7 +180,7 @@ class ClusterConfig(_Strict):
     """Number of nodes (one ``torchrun`` per node)."""
     gpus_per_node: int = Field(2, ge=1)
     """Processes per node: GPUs on a GPU node, CPU processes on a CPU node."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Device = "auto"
     """``auto`` uses CUDA when available, else CPU with gloo."""
     gpu_mem_gb: float = Field(80.0, gt=0)
     """Memory of one GPU, for the memory plan."""
@@ -177,15 +191,15 @@ class ClusterConfig(_Strict):
 class TrainConfig(_Strict):
     """Optimization and checkpointing."""
 
-    backend: Literal["fsdp", "deepspeed"] = "fsdp"
+    backend: Backend = "fsdp"
     """Training engine: FSDP2 (``fully_shard``, DCP checkpoints) or DeepSpeed (ZeRO)."""
     zero_stage: int = Field(1, ge=0, le=3)
     """DeepSpeed ZeRO stage (``backend: deepspeed``)."""
-    fsdp_sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    fsdp_sharding: FsdpSharding = "FULL_SHARD"
     """FSDP2 sharding (``backend: fsdp``): FULL_SHARD (ZeRO-3-like), SHARD_GRAD_OP (keeps
     parameters gathered between forward and backward), HYBRID_SHARD (shard within a node,
     replicate across nodes), NO_SHARD (replicate: DDP-like)."""
-    strategy: Literal["manual", "auto"] = "manual"
+    strategy: StrategyMode = "manual"
     """``auto``: the planner picks ZeRO stage / FSDP sharding and offload, the least
     communication that fits in memory (the choice is written to the rendered config.json)."""
     offload_optimizer: bool = False
@@ -196,7 +210,7 @@ class TrainConfig(_Strict):
     """Tensor-parallel degree (planned and rendered; the trainer runs tp = 1 only)."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (planned and rendered; the trainer runs pp = 1 only)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     """Compute precision; bf16/fp16 keep fp32 master weights (fp16 with loss scaling, DeepSpeed
     only)."""
     deepspeed: dict[str, Any] = Field(default_factory=dict)
@@ -268,7 +282,7 @@ class TrainConfig(_Strict):
 class PlanConfig(_Strict):
     """How the render stage's memory planner judges a layout."""
 
-    accounting: Literal["deepspeed", "paper"] = "deepspeed"
+    accounting: Accounting = "deepspeed"
     """Model-state accounting: DeepSpeed's own estimators, or the ZeRO paper's (K = 12)."""
     headroom: float = Field(0.10, ge=0.0, lt=1.0)
     """Fraction of GPU and host memory kept free."""
@@ -370,6 +384,48 @@ class RunOverrides(_Strict):
 
 Config.model_rebuild()
 
+#: Where each class's fields live in a config file (for help texts and messages).
+_SECTION: dict[type[BaseModel], str] = {
+    SourceConfig: "data.sources[]",
+    TokenizerConfig: "data.tokenizer",
+    DataConfig: "data",
+    ModelConfig: "model",
+    ClusterConfig: "cluster",
+    TrainConfig: "train",
+    PlanConfig: "plan",
+}
+
+
+def field_default(cls: type[BaseModel], name: str) -> Any:
+    """The default of a config field (``field_default(DataConfig, "val_fraction")``): what a
+    command-line option that mirrors the field defaults to."""
+    info = cls.model_fields[name]
+    if info.default_factory is not None:
+        return info.default_factory()  # type: ignore[call-arg]
+    if info.is_required():
+        raise KeyError(f"{cls.__name__}.{name} has no default")
+    return info.default
+
+
+def field_choices(cls: type[BaseModel], name: str) -> tuple[Any, ...]:
+    """The values a ``Literal`` config field allows, in their declared order."""
+    choices = tuple(a for a in get_args(cls.model_fields[name].annotation) if a is not None)
+    if not choices or any(not isinstance(c, str | int) for c in choices):
+        raise TypeError(f"{cls.__name__}.{name} is not a Literal field")
+    return choices
+
+
+def field_help(cls: type[BaseModel], name: str, *, default: bool = True) -> str:
+    """Help text of a command-line option that mirrors a config field: the field's docstring,
+    its config key and (unless ``default=False``) its default; ready for argparse."""
+    text = " ".join((cls.model_fields[name].description or "").split()).replace("``", "")
+    text = text.rstrip(".")
+    key = f"{_SECTION[cls]}.{name}" if cls in _SECTION else name
+    tail = f"config: {key}"
+    if default:
+        tail += f"; default: {field_default(cls, name)}"
+    return f"{text} ({tail})".replace("%", "%%")
+
 
 def _format_errors(err: ValidationError, where: str) -> str:
     lines = []
@@ -429,32 +485,19 @@ def load_run_config(path: str | Path) -> RunConfig:
     return parse_run_config(json.loads(Path(path).read_text()))
 
 
-def expand_source(path: str) -> list[Path]:
-    """The files a source path names: ``<stdlib>`` expanded, directories walked, globs matched."""
-    import glob
-    import sysconfig
-
-    if path.startswith("<stdlib>"):
-        path = sysconfig.get_paths()["stdlib"] + path[len("<stdlib>") :]
-    p = Path(path).expanduser()
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file())
-    else:
-        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-    return files
-
-
 def expand_sources(sources: list[SourceConfig]) -> list[Path]:
-    """All input files of ``data.sources``; a source that matches nothing is an error."""
+    """All input files of ``data.sources``, expanded exactly as the tokenizer and tokenize
+    stages expand them (:func:`pipeline.sources.expand_paths`); a source that matches nothing is
+    an error."""
     out: list[Path] = []
     for i, src in enumerate(sources):
-        files = expand_source(src.path)
+        files = expand_paths(src.path)
         if not files:
             raise PipelineError(
                 f"data.sources.{i}.path: {src.path!r} matches no file; check the path or glob "
                 "(relative paths are relative to the directory Snakemake runs in)"
             )
-        out.extend(files)
+        out.extend(Path(f) for f in files)
     return out
 
 

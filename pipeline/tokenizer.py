@@ -544,7 +544,8 @@ def _print_summary(out: Path, **extra: object) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.sources import SourceSpec, iter_texts
+    from pipeline.readers import iter_texts
+    from pipeline.sources import SourceSpec
 
     spec = SourceSpec.from_args(
         args.input, fmt=args.format, text_field=args.text_field, doc_split=args.doc_split

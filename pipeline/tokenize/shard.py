@@ -37,7 +37,8 @@ import pyarrow as pa
 
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
-from pipeline.sources import BigDoc, DocReader, SourceSpec, plan
+from pipeline.readers import DocReader
+from pipeline.sources import BigDoc, SourceSpec, plan
 from pipeline.tokenizer import (
     HFEncoder,
     TiktokenEncoder,
