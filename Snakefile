@@ -1,7 +1,7 @@
 # zerosnake: raw text → tokenized shards → rendered plan → trained model → HF model → evaluation.
 # This file is a table of contents; each stage's rules live in workflow/rules/<stage>.smk and
 # call `python -m pipeline.<stage>`. Experiment settings: config/. Runtime resources: profiles/.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("8.0")
 
@@ -13,14 +13,13 @@ envvars:
     "PATH",
 
 
-# Typed validation first (messages name the key path, e.g. train.micro_batch_size), then the
-# JSON schema generated from the same classes, as every Snakemake workflow does.
+# The typed parse (pipeline/config.py, in common.smk) is the only validation: it rejects unknown
+# keys, wrong types and impossible values, naming the key path (train.micro_batch_size). No
+# `snakemake.utils.validate(config, "config/schema.json")` after it: the schema is generated from
+# the same classes (a test keeps it in sync), so it could never fail where the parse passed, and
+# it would not fill defaults either (the rules read the parsed CFG, not the raw dict). The schema
+# stays for editors and docs: `python -m pipeline.config schema > config/schema.json`.
 include: "workflow/rules/common.smk"
-
-
-validate(config, "config/schema.json")
-
-
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/render.smk"
 include: "workflow/rules/train.smk"
