@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import SUBMITIT
 from pipeline.config import RunConfig, load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge, read_json, write_json_atomic, write_text_atomic
+from pipeline.launchopts import LaunchOptions
 from pipeline.plan import (
     BatchSpec,
     Cluster,
@@ -30,8 +32,11 @@ from pipeline.plan import (
     render_fsdp_config,
     render_plan_md,
     render_topology,
-    sbatch_preview,
 )
+from pipeline.sbatch import render_submission
+
+#: Where launch.json's submission preview places the results tree (an absolute placeholder).
+PREVIEW_RESULTS = "/path/to/results"
 
 #: DeepSpeed's own progress prints would duplicate the loop's metrics.jsonl.
 _QUIET_STEPS = 10**9
@@ -96,6 +101,19 @@ def resolve_strategy(run: RunConfig, plan: Plan) -> RunConfig:
     return parse_run_config(data)
 
 
+def submission_preview(run: RunConfig) -> dict[str, Any]:
+    """What the Slurm launcher submits for this run with the default launch options (the
+    profile's resources change them): sbatch's argv and the submission script, from the
+    function the launcher submits with. Placeholders: the results folder, the interpreter."""
+    sub = render_submission(
+        LaunchOptions(job_name=f"zs-{run.name}"),
+        nodes=run.cluster.nodes, gpus_per_node=run.cluster.gpus_per_node,
+        device=run.cluster.device,
+        folder=f"{PREVIEW_RESULTS}/runs/{run.name}/{SUBMITIT}/%j", python="python",
+    )
+    return {"sbatch_argv": sub.command(), "sbatch_script": sub.script}
+
+
 def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
     """Everything the render stage writes for one run, as a dict of file name → content.
 
@@ -153,7 +171,7 @@ def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
                 args=["worker", "--run-dir", f"results/runs/{run.name}", "--data-dir",
                       "results/data"],
             ),
-            "sbatch_preview": sbatch_preview(plan, job_name=f"zs-{run.name}"),
+            **submission_preview(run),
         },
     }
     if t.backend == "deepspeed":

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import submitit
 
-from pipeline.train import launch
+from pipeline import artifacts
+from pipeline.launchopts import LaunchOptions
+from pipeline.train import node as launch
 
 
 class _Exited(Exception):
@@ -38,7 +40,7 @@ def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> launch.NodeTask:
 
     monkeypatch.setattr(launch.os, "_exit", _exit)
     t = launch.NodeTask(str(tmp_path), str(tmp_path / "data"), 1, 2,
-                        launch.JobPolicy(signal_delay_s=60, max_requeues=3))
+                        LaunchOptions(signal_delay_s=60, max_requeues=3))
     return t
 
 
@@ -69,7 +71,7 @@ def test_stop_recorded_by_a_rank_0_on_another_node_is_waited_for(task: launch.No
     saved = [e for e in _events(run_dir) if e["event"] == "launch.saved"]
     assert saved and saved[0]["stopped_at"] == 17 and saved[0]["rc"] == 1
     assert [e["reason"] for e in _events(run_dir) if e["event"] == "launch.requeue"] == ["timeout"]
-    assert not (run_dir / launch.STOP_FILE).exists()
+    assert not (run_dir / artifacts.STOP).exists()
 
 
 def test_warning_at_the_last_step_ends_the_job_instead_of_requeueing(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.launchopts import LaunchOptions
 from pipeline.plan import (
     PRESETS,
     BatchSpec,
@@ -27,10 +28,10 @@ from pipeline.plan import (
     render_fsdp_config,
     render_plan_md,
     render_topology,
-    sbatch_preview,
     validate_ds_config,
 )
 from pipeline.plan.strategy import ladder
+from pipeline.sbatch import render_submission
 
 GOLDEN = Path(__file__).parent / "golden" / "plan"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
@@ -81,8 +82,17 @@ def _render(case: dict) -> dict[str, str]:
         "topology.json": json.dumps(render_topology(p.dims, seq_len=p.batch.seq_len),
                                     indent=2, sort_keys=True) + "\n",
         "plan.md": render_plan_md(p),
-        "sbatch.sh": sbatch_preview(p, partition="gpu"),
+        **_submission(p, LaunchOptions(partition="gpu")),
     }
+
+
+def _submission(p, opts: LaunchOptions) -> dict[str, str]:
+    """The sbatch submission the plan's job would be: its argv and its script."""
+    sub = render_submission(opts, nodes=p.dims.nodes, gpus_per_node=p.dims.gpus_per_node,
+                            device="cuda", folder="/path/to/results/runs/r/submitit/%j",
+                            python="python")
+    return {"sbatch.argv.json": json.dumps(sub.command(), indent=2) + "\n",
+            "sbatch.sh": sub.script}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -177,8 +187,12 @@ def test_plan_md_lists_rejected_rungs() -> None:
     assert "short by" in md
 
 
-def test_sbatch_preview_quotes_hostile_names() -> None:
+def test_submission_carries_hostile_names_as_data() -> None:
+    # (Was: the sbatch preview quotes hostile names. The submission puts them on sbatch's
+    # argv, one argument each, and keeps them out of the script.)
     p = _plan(CASES["seed_zero2_offload_7b_4x8"])
-    text = sbatch_preview(p, job_name="a b;rm -rf /", extra_args=["--config", "x y.yaml"])
-    assert "#SBATCH --nodes=4" in text and "--nproc-per-node=8" in text
-    assert "'a b;rm -rf /'" in text and "'x y.yaml'" in text
+    files = _submission(p, LaunchOptions(job_name="a b;rm -rf /", sbatch_extra=["--comment=x y"]))
+    argv, text = json.loads(files["sbatch.argv.json"]), files["sbatch.sh"]
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "--job-name=a b;rm -rf /" in argv and "--comment=x y" in argv
+    assert "rm -rf" not in text and "x y" not in text

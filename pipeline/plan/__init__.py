@@ -15,7 +15,7 @@ from pipeline.plan.deepspeed_config import SEED_KEY_MAPPING, render_ds_config
 from pipeline.plan.fsdp_config import render_fsdp_config
 from pipeline.plan.memory import MemoryBreakdown, estimate_memory
 from pipeline.plan.preflight import check, preflight, validate_ds_config
-from pipeline.plan.report import render_plan_md, sbatch_preview
+from pipeline.plan.report import render_plan_md
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, Rung, plan
 from pipeline.plan.topology import ParallelDims, render_topology
@@ -44,6 +44,5 @@ __all__ = [
     "render_plan_md",
     "render_topology",
     "resolve_model",
-    "sbatch_preview",
     "validate_ds_config",
 ]

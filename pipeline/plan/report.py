@@ -1,8 +1,6 @@
-"""Human-readable ``plan.md`` and a preview of the sbatch/srun lines (pure text)."""
+"""Human-readable ``plan.md`` (pure text). The sbatch submission is ``pipeline.sbatch``'s."""
 
 from __future__ import annotations
-
-import shlex
 
 from pipeline.plan.deepspeed_config import SEED_KEY_MAPPING
 from pipeline.plan.memory import MemoryBreakdown
@@ -67,30 +65,3 @@ def render_plan_md(plan: Plan) -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-def sbatch_preview(plan: Plan, *, job_name: str = "zerosnake-train",
-                   partition: str | None = None, account: str | None = None,
-                   time_limit: str = "24:00:00", command: str = "python -m pipeline.train",
-                   extra_args: list[str] | None = None) -> str:
-    """The ``#SBATCH`` header and ``srun torchrun`` line the plan implies (for review only;
-    submission goes through submitit)."""
-    d, c = plan.dims, plan.cluster
-    header = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={shlex.quote(job_name)}",
-        f"#SBATCH --nodes={d.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={d.gpus_per_node}",
-        f"#SBATCH --mem={int(c.host_mem_gb)}G",
-        f"#SBATCH --time={time_limit}",
-    ]
-    if partition:
-        header.append(f"#SBATCH --partition={shlex.quote(partition)}")
-    if account:
-        header.append(f"#SBATCH --account={shlex.quote(account)}")
-    args = " ".join(shlex.quote(a) for a in (extra_args or []))
-    launch = (f"srun torchrun --nnodes={d.nodes} --nproc-per-node={d.gpus_per_node} "
-              f"--rdzv-backend=c10d --rdzv-endpoint=\"$MASTER_ADDR:29500\" "
-              f"-m {command.removeprefix('python -m ')}" + (f" {args}" if args else ""))
-    return "\n".join([*header, "", 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
-                      "| head -n 1)", "export MASTER_ADDR", launch, ""])

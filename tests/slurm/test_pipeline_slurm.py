@@ -27,7 +27,7 @@ import slurmcluster
 import torch
 import yaml
 
-from pipeline.train.launch import measured_save_seconds, save_time_warning
+from pipeline.train.submit import measured_save_seconds, save_time_warning
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@
 # Checkpoints live in results/runs/{run}/checkpoints and are NOT outputs, so a killed rule keeps them and the
 # rerun resumes from the newest complete one.
 
+from pipeline.launchopts import LAUNCH_RESOURCES, launch_argv
+
 
 rule train:
     input:
@@ -17,31 +19,12 @@ rule train:
         "results/logs/train/{run}.log",
     threads: lambda wildcards: CFG.run(wildcards.run).cluster.gpus_per_node
     resources:
-        launcher="local",
-        slurm_partition="",
-        slurm_account="",
-        slurm_qos="",
-        constraint="",
-        slurm_exclude="",
-        runtime=60,
-        cpus_per_task=2,
-        signal_delay_s=90,
-        max_requeues=3,
-        max_preemptions=10,
-        max_failures=2,
-        slurm_mem_gb=0,
-        job_env="",
-        sbatch_extra="",
-        poll_s=5,
+        # One resource per launcher setting, defaults from pipeline/launchopts.py (defined
+        # there once); profiles override them by these names (set-resources: train: ...).
+        **LAUNCH_RESOURCES,
+    params:
+        launch=lambda wildcards, resources: launch_argv(resources),
     shell:
         "python -m pipeline.train launch --run-dir results/runs/{wildcards.run:q}"
-        " --data-dir results/data --launcher {resources.launcher:q}"
-        " --partition={resources.slurm_partition:q} --account={resources.slurm_account:q}"
-        " --qos={resources.slurm_qos:q} --constraint={resources.constraint:q}"
-        " --exclude={resources.slurm_exclude:q} --time-min {resources.runtime}"
-        " --cpus-per-task {resources.cpus_per_task} --signal-delay-s {resources.signal_delay_s}"
-        " --max-requeues {resources.max_requeues} --max-preemptions {resources.max_preemptions}"
-        " --max-failures {resources.max_failures} --mem-gb {resources.slurm_mem_gb}"
-        " --job-env={resources.job_env:q} --sbatch-extra={resources.sbatch_extra:q}"
-        " --poll-s {resources.poll_s} --job-name zs-{wildcards.run:q}"
+        " --data-dir results/data {params.launch:q} --job-name zs-{wildcards.run:q}"
         " > {log:q} 2>&1"

@@ -1,12 +1,16 @@
 #!/bin/bash
-#SBATCH --job-name=zerosnake-train
+
+# Parameters
+#SBATCH --cpus-per-task=2
+#SBATCH --error=/path/to/results/runs/r/submitit/%j/%j_0_log.err
+#SBATCH --gpus-per-node=4
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=4
-#SBATCH --mem=512G
-#SBATCH --time=24:00:00
-#SBATCH --partition=gpu
+#SBATCH --open-mode=append
+#SBATCH --output=/path/to/results/runs/r/submitit/%j/%j_0_log.out
+#SBATCH --signal=USR2@90
+#SBATCH --time=60
 
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR
-srun torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:29500" -m pipeline.train
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output /path/to/results/runs/r/submitit/%j/%j_%t_log.out --error /path/to/results/runs/r/submitit/%j/%j_%t_log.err python -u -m submitit.core._submit /path/to/results/runs/r/submitit/%j

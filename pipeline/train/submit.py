@@ -1,0 +1,333 @@
+"""Submit a run's training job and wait for it (login node): local or Slurm.
+
+On Slurm the submission is exactly :func:`pipeline.sbatch.render_submission`'s (argv and
+script); the launcher records the job in ``job.json``, waits across PENDING/REQUEUED cycles
+(one Snakemake step), and when started again while the job still runs, reattaches to it
+instead of submitting a second one. Locally, submitit's ``LocalExecutor`` runs one node task;
+a trainer left over from a killed launch is waited for through the run's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from pipeline.artifacts import (
+    CHECKPOINTS,
+    CKPT_MANIFEST,
+    LOCK,
+    RUN_CONFIG,
+    STOP,
+    STOPPED,
+    SUBMITIT,
+    TRAIN_DONE,
+    append_event,
+    checkpoint_steps,
+    latest_checkpoint_name,
+    read_events,
+    read_job,
+    read_json_or_none,
+    read_train_done,
+    write_job,
+)
+from pipeline.config import load_run_config
+from pipeline.distenv import JobState, scontrol_job, squeue_states
+from pipeline.errors import PipelineError
+from pipeline.launchopts import LaunchOptions
+from pipeline.sbatch import SUBMISSION_FILE, Submission, render_submission
+from pipeline.train.node import NodeTask
+
+log = logging.getLogger("pipeline.train.launch")
+
+
+class ArgvSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor submitting exactly a rendered :class:`Submission`: its script
+    as the submission file, its argv (every user-supplied string, as data) before the file."""
+
+    def __init__(self, folder: Path, submission: Submission, max_num_timeout: int) -> None:
+        super().__init__(folder=folder, max_num_timeout=max_num_timeout)
+        self.submission = submission
+        # The executor reads its parameters too (tasks per job, time limit of the task).
+        self.update_parameters(**submission.params)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        script = self.submission.script
+        if command not in script:
+            raise PipelineError(
+                f"the rendered submission runs another command than submitit's ({command!r})"
+            )
+        return script
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        return self.submission.command(submission_file_path)
+
+
+def measured_save_seconds(run_dir: Path) -> float | None:
+    """The longest checkpoint save seen for this run, from the ranks' ``save`` events and from
+    the checkpoint folders themselves (first file written → manifest time). None when nothing
+    was saved yet."""
+    # (launch.saved's save_s also counts the wait for the current step and for start-up when
+    # the signal came early: it is reported, not used here.)
+    found = [float(e["seconds"]) for e in read_events(run_dir, "save")
+             if e.get("seconds") is not None]  # the ranks' own timing
+    for _, ck in checkpoint_steps(run_dir / CHECKPOINTS):
+        manifest = read_json_or_none(ck / CKPT_MANIFEST)
+        try:
+            end = float(manifest["time"])
+            first = min(f.stat().st_mtime for f in ck.rglob("*") if f.is_file())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append(max(0.0, end - first))
+    return max(found) if found else None
+
+
+def save_time_warning(run_dir: Path, signal_delay_s: int) -> str | None:
+    """A warning when the lead time of the time-limit signal is shorter than a measured save."""
+    save_s = measured_save_seconds(run_dir)
+    if save_s is None or signal_delay_s >= save_s:
+        return None
+    return (
+        f"signal_delay_s={signal_delay_s} is shorter than the measured checkpoint time "
+        f"({save_s:.1f} s): the time-limit warning may come too late to save; raise "
+        "signal_delay_s in the profile"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Slurm
+
+
+def _reattachable(run_dir: Path) -> tuple[dict[str, Any], JobState] | None:
+    """The job recorded in job.json, if Slurm still has it queued or running."""
+    rec = read_job(run_dir)
+    if rec is None or rec.get("launcher") != "slurm" or not rec.get("job_id"):
+        return None
+    states = squeue_states([rec["job_id"]])
+    st = (states or {}).get(rec["job_id"])
+    # The name check guards against a reused job id (ids restart when slurmctld's state is wiped).
+    if st is None or not st.alive or st.name != rec.get("job_name"):
+        return None
+    return rec, st
+
+
+def submit_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -> dict[str, Any]:
+    """Submit the run's job (exactly :func:`render_submission`'s form); job.json's record."""
+    folder = run_dir / SUBMITIT / "%j"
+    submission = render_submission(opts, nodes=run.cluster.nodes,
+                                   gpus_per_node=run.cluster.gpus_per_node,
+                                   device=run.cluster.device, folder=folder)
+    # submitit counts "timeouts" itself (every signal below ~50 min of limit); the options'
+    # budgets decide, submitit's count is only a backstop above them.
+    executor = ArgvSlurmExecutor(folder, submission,
+                                 max_num_timeout=opts.max_requeues + opts.max_preemptions + 1)
+    warning = save_time_warning(run_dir, opts.signal_delay_s)
+    if warning:
+        log.warning("%s", warning)
+    # The options travel with the task (budgets, exclude list, job env): sbatch exports the
+    # submitting environment, the job env goes to the ranks through them, so that it is
+    # recorded and applied on every attempt.
+    task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes,
+                    opts)
+    job = executor.submit(task)
+    old = read_job(run_dir) or {}
+    history = old.get("history", [])
+    if old.get("job_id"):
+        history.append({k: old.get(k) for k in ("job_id", "submitted", "job_name")})
+    rec = {
+        "job_id": str(job.job_id),
+        "launcher": "slurm",
+        "job_name": opts.job_name,
+        "submitted": time.time(),
+        "folder": str(run_dir / SUBMITIT / str(job.job_id)),
+        "sbatch_argv": submission.command(SUBMISSION_FILE),
+        "submitit_parameters": submission.params,
+        "policy": asdict(opts),
+        "warnings": [warning] if warning else [],
+        "history": history,
+    }
+    write_job(run_dir, rec)
+    append_event(run_dir, "launch.submit", job_id=str(job.job_id), job_name=opts.job_name,
+                 nodes=run.cluster.nodes, time_min=opts.time_min,
+                 signal_delay_s=opts.signal_delay_s)
+    log.info("submitted training job %s (%d node(s)): %s", job.job_id, run.cluster.nodes,
+             shlex.join(rec["sbatch_argv"]))
+    return rec
+
+
+def _stderr_tail(rec: dict[str, Any], lines: int = 40) -> str:
+    folder = Path(rec.get("folder", ""))
+    out = []
+    for f in sorted(folder.glob("*_0_log.err")) + sorted(folder.glob("*_0_log.out")):
+        text = f.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {f}\n" + "\n".join(text))
+    return "\n".join(out)
+
+
+def _check_restarts(run_dir: Path, job_id: str, max_restarts: int) -> None:
+    """Slurm also requeues by itself (node failure): cancel a job restarted past the budgets."""
+    restarts = scontrol_job(job_id).get("Restarts", "0")
+    log.info("job %s: restarts %s", job_id, restarts)
+    if restarts.isdigit() and int(restarts) > max_restarts:
+        subprocess.run(["scancel", job_id], check=False, timeout=60)
+        raise PipelineError(
+            f"training job {job_id} was restarted {restarts} times, more than the "
+            f"budgets allow ({max_restarts}); cancelled it. Last checkpoint: "
+            f"{latest_checkpoint_name(run_dir)}"
+        )
+
+
+def _ended(run_dir: Path, rec: dict[str, Any], state: str) -> dict[str, Any]:
+    """The job left the queue in ``state``: train.done's content, or why not."""
+    job_id = rec["job_id"]
+    if state in ("COMPLETED", "UNKNOWN") and (run_dir / TRAIN_DONE).exists():
+        return read_train_done(run_dir)
+    giveups = [e for e in read_events(run_dir, "launch.giveup") if e.get("job_id") == job_id]
+    ckpt = latest_checkpoint_name(run_dir)
+    if giveups:
+        g = giveups[-1]
+        raise PipelineError(
+            f"training job {job_id} gave up: {g.get('reason')} budget ({g.get('budget')}) "
+            f"spent. The last complete checkpoint ({ckpt}) is kept: run the workflow again "
+            "to continue from it, or raise the budget in the profile."
+        )
+    if state == "COMPLETED" and (run_dir / STOPPED).exists():
+        raise PipelineError(
+            f"training job {job_id} stopped on request (STOP file) at checkpoint {ckpt}; "
+            "run the workflow again to continue"
+        )
+    raise PipelineError(
+        f"training job {job_id} ended {state} without train.done (last checkpoint: "
+        f"{ckpt}; rerun to resume from it)\n{_stderr_tail(rec)}"
+    )
+
+
+def wait_slurm(run_dir: Path, rec: dict[str, Any], opts: LaunchOptions) -> dict[str, Any]:
+    """Wait until the job ends, across PENDING/REQUEUED cycles; train.done's content, or a
+    PipelineError saying why not."""
+    job_id = rec["job_id"]
+    policy = rec.get("policy", {})
+    max_restarts = (policy.get("max_requeues", 0) + policy.get("max_preemptions", 0)
+                    + policy.get("max_failures", 0) + 1)
+    last: tuple[str, str] | None = None
+    missing = 0
+    while True:
+        states = squeue_states([job_id])
+        if states is None:  # squeue failed: slurmctld busy; try again
+            time.sleep(opts.poll_s)
+            continue
+        st = states.get(job_id)
+        if st is None:
+            missing += 1
+            if missing < 3:  # right after sbatch a job can be briefly invisible
+                time.sleep(opts.poll_s)
+                continue
+            return _ended(run_dir, rec, "UNKNOWN")
+        if (st.state, st.reason) != last:
+            log.info("job %s: %s (%s)", job_id, st.state, st.reason)
+            last = (st.state, st.reason)
+            _check_restarts(run_dir, job_id, max_restarts)
+        if not st.alive:
+            return _ended(run_dir, rec, st.state)
+        time.sleep(opts.poll_s)
+
+
+def launch_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -> dict[str, Any]:
+    """Reattach to the run's job if Slurm still has it, else submit one; wait for it."""
+    found = _reattachable(run_dir)
+    if found is not None:
+        rec, st = found
+        # The login-node process died (or Snakemake was restarted) while the job went on:
+        # wait for that job; a second one would train the same run twice.
+        log.info("reattaching to training job %s (%s) recorded in job.json", rec["job_id"],
+                 st.state)
+        rec.setdefault("reattached", []).append(time.time())
+        write_job(run_dir, rec)
+        append_event(run_dir, "launch.reattach", job_id=rec["job_id"], state=st.state)
+    else:
+        (run_dir / STOP).unlink(missing_ok=True)
+        (run_dir / STOPPED).unlink(missing_ok=True)
+        rec = submit_slurm(run_dir, data_dir, run, opts)
+
+    def _leave(signum: int, frame: Any) -> None:
+        # The login-node side was killed: the job keeps running on its own (it checkpoints and
+        # requeues itself); the next launch reattaches to it through job.json.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _leave)
+    signal.signal(signal.SIGINT, _leave)
+    signal.signal(signal.SIGHUP, _leave)
+    return wait_slurm(run_dir, rec, opts)
+
+
+# --------------------------------------------------------------------------------------------
+# local
+
+
+def wait_for_running_trainer(run_dir: Path) -> bool:
+    """Local reattach: if a trainer from an earlier (killed) launch still holds the run's lock,
+    wait for it instead of starting a second one. True if there was one."""
+    with (run_dir / LOCK).open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("a training process from an earlier launch is still running: waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            return True
+    return False
+
+
+def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -> dict[str, Any]:
+    """Run the one node task on this host (submitit's local executor) and wait for it."""
+    if wait_for_running_trainer(run_dir) and (run_dir / TRAIN_DONE).exists():
+        return read_train_done(run_dir)
+    (run_dir / STOP).unlink(missing_ok=True)
+    folder = run_dir / SUBMITIT
+    task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes)
+    if run.cluster.nodes != 1:
+        raise PipelineError(
+            f"cluster.nodes is {run.cluster.nodes}, but the local launcher runs one node; "
+            "use --profile profiles/slurm or set cluster.nodes: 1"
+        )
+    executor = submitit.LocalExecutor(folder=folder)
+    executor.update_parameters(timeout_min=opts.time_min, tasks_per_node=1, nodes=1)
+    job = executor.submit(task)
+    write_job(run_dir, {"job_id": str(job.job_id), "launcher": "local",
+                        "submitted": time.time(), "folder": str(folder)})
+    log.info("submitted training job %s (local)", job.job_id)
+
+    def _cancel(signum: int, frame: Any) -> None:
+        # The rule was killed: take the job down with it rather than leave a second trainer
+        # running when Snakemake is started again.
+        job.cancel(check=False)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _cancel)
+    signal.signal(signal.SIGINT, _cancel)
+    try:
+        result = job.result()
+    except Exception as err:  # submitit wraps the task's exception with its traceback
+        raise PipelineError(f"training job {job.job_id} failed:\n{err}") from None
+    if not (run_dir / TRAIN_DONE).exists():
+        raise PipelineError(f"training job {job.job_id} ended without train.done: {result}")
+    return read_train_done(run_dir)
+
+
+def launch(run_dir: Path, data_dir: Path, opts: LaunchOptions) -> dict[str, Any]:
+    """Submit the run's training job and wait for it; returns ``train.done``'s content."""
+    run_dir = run_dir.resolve()
+    data_dir = data_dir.resolve()
+    run = load_run_config(run_dir / RUN_CONFIG)
+    if opts.launcher == "slurm":
+        return launch_slurm(run_dir, data_dir, run, opts)
+    if opts.launcher != "local":
+        raise PipelineError(f"unknown launcher {opts.launcher!r}: use local or slurm")
+    return launch_local(run_dir, data_dir, run, opts)
