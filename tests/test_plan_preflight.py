@@ -12,7 +12,9 @@ from pipeline.plan.preflight import validate_ds_config
 
 SEVEN_B = PRESETS["llama2-7b"]
 BATCH = BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=8, activation_checkpointing=True)
-NODE = Cluster(nodes=1, gpus_per_node=8)
+#: A GPU node with 512 GB host RAM (the config default, cluster.host_mem_gb, is smaller; DeepSpeed's
+#: estimators count host RAM even without offload).
+NODE = Cluster(nodes=1, gpus_per_node=8, host_mem_gb=512)
 
 
 def _messages(**kw) -> list[str]:
@@ -127,7 +129,7 @@ def test_validate_ds_config_uses_the_real_world_size() -> None:
 
 def test_preflight_raises_one_error_listing_all() -> None:
     with pytest.raises(PipelineError) as info:
-        preflight(model=SEVEN_B, cluster=Cluster(nodes=1, gpus_per_node=8, world_size=4),
+        preflight(model=SEVEN_B, cluster=Cluster(nodes=1, gpus_per_node=8, host_mem_gb=512, world_size=4),
                   batch=BatchSpec(micro_batch_size=1, grad_accum=1, global_batch_size=7),
                   strategy=Strategy(zero_stage=0))
     text = str(info.value)

@@ -14,12 +14,17 @@ from pipeline.plan.__main__ import main
 from pipeline.plan.strategy import ladder
 
 BATCH = BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=8, activation_checkpointing=True)
+#: Host RAM of the GPU nodes these cases describe (the config default, cluster.host_mem_gb, is
+#: smaller; DeepSpeed's estimators count host RAM even without offload).
+HOST_GB = 512
+GPU_JOB = ["--engine", "deepspeed", "--gpus-per-node", "8", "--host-mem-gb", str(HOST_GB),
+           "--precision", "bf16", "--seq-len", "4096", "--micro-batch", "1"]
 
 
 def test_llama2_7b_on_8_and_32_gpus_picks_zero1() -> None:
     for nodes in (1, 4):
-        p = plan(model=PRESETS["llama2-7b"], cluster=Cluster(nodes=nodes, gpus_per_node=8),
-                 batch=BATCH)
+        p = plan(model=PRESETS["llama2-7b"], cluster=Cluster(nodes=nodes, gpus_per_node=8,
+                                                             host_mem_gb=HOST_GB), batch=BATCH)
         assert p.fits
         assert p.strategy.label() == "ZeRO-1"
         # Plain DP (20 bytes/param + activations) was tried first and rejected, with its numbers.
@@ -30,7 +35,8 @@ def test_llama2_7b_on_8_and_32_gpus_picks_zero1() -> None:
 
 def test_small_gpus_climb_the_ladder_in_order() -> None:
     p = plan(model=PRESETS["llama2-13b"], cluster=Cluster(nodes=1, gpus_per_node=8,
-                                                          gpu_mem_gb=24), batch=BATCH)
+                                                          gpu_mem_gb=24, host_mem_gb=HOST_GB),
+             batch=BATCH)
     labels = [r.strategy.label() for r in p.rejected]
     assert labels[:4] == ["DP (ZeRO-0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"][:len(labels[:4])]
     assert p.fits
@@ -53,7 +59,8 @@ def test_headroom_changes_the_choice() -> None:
 
 
 def test_pinned_request_that_does_not_fit_gets_a_suggestion() -> None:
-    p = plan(model=PRESETS["llama2-7b"], cluster=Cluster(nodes=1, gpus_per_node=8),
+    p = plan(model=PRESETS["llama2-7b"], cluster=Cluster(nodes=1, gpus_per_node=8,
+                                                         host_mem_gb=HOST_GB),
              batch=BATCH, strategy=Strategy(zero_stage=0))
     assert not p.fits
     assert p.suggestion is not None and p.suggestion.fits
@@ -107,8 +114,9 @@ def test_invalid_inputs_raise_pipeline_error() -> None:
 
 
 def test_cli_json(capsys) -> None:
+    # The CLI's defaults are the config's (a small CPU run): name the GPU job planned here.
     rc = main(["--model", "llama2-7b", "--nodes", "4", "--grad-accum", "8",
-               "--activation-checkpointing", "--json"])
+               "--activation-checkpointing", "--json", *GPU_JOB])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert out["strategy"] == "ZeRO-1"
@@ -120,7 +128,7 @@ def test_cli_json(capsys) -> None:
 
 def test_cli_params_paper(capsys) -> None:
     rc = main(["--params", "7.5e9", "--nodes", "8", "--zero-stage", "3",
-               "--accounting", "paper", "--json", "--seq-len", "1024"])
+               "--accounting", "paper", "--json", *GPU_JOB, "--seq-len", "1024"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["num_params"] == 7_500_000_000
     b = out["per_gpu_bytes"]

@@ -7,40 +7,69 @@ import contextlib
 import json
 import sys
 
+from pipeline.config import (
+    ClusterConfig,
+    DataConfig,
+    PlanConfig,
+    TrainConfig,
+    field_default,
+    field_help,
+)
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import ACCOUNTINGS
 from pipeline.plan.preflight import check
 from pipeline.plan.report import render_plan_md
-from pipeline.plan.spec import FSDP_SHARDINGS, BatchSpec, Cluster, Strategy
+from pipeline.plan.spec import ENGINES, FSDP_SHARDINGS, PRECISIONS, BatchSpec, Cluster, Strategy
 from pipeline.presets import PRESETS, ModelShape, resolve_model
+
+_AUTO = "default: auto (the planner chooses)"
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Options that mirror a config key take its default and its description from
+    ``pipeline.config``; strategy options left out are chosen by the planner."""
     p = argparse.ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json")
     model.add_argument("--params", type=float, help="parameter count only, e.g. 7.5e9")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0)
-    p.add_argument("--host-mem-gb", type=float, default=512.0)
-    p.add_argument("--engine", choices=("deepspeed", "fsdp"), default=None,
-                   help="default: deepspeed, or fsdp when --strategy names an FSDP strategy")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+
+    def mirror(flag: str, cls, name: str, type_=None, **kw) -> None:
+        default = field_default(cls, name)
+        p.add_argument(flag, type=type_ or type(default), default=default,
+                       help=field_help(cls, name), **kw)
+
+    mirror("--nodes", ClusterConfig, "nodes")
+    mirror("--gpus-per-node", ClusterConfig, "gpus_per_node")
+    mirror("--gpu-mem-gb", ClusterConfig, "gpu_mem_gb", float)
+    mirror("--host-mem-gb", ClusterConfig, "host_mem_gb", float)
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help=field_help(TrainConfig, "backend", default=False)
+                   + "; default: deepspeed with --zero-stage, fsdp with an FSDP --strategy, else "
+                   + str(field_default(TrainConfig, "backend")))
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                   help=field_help(TrainConfig, "zero_stage", default=False) + "; " + _AUTO)
     p.add_argument("--strategy", choices=("auto", *FSDP_SHARDINGS), default="auto",
-                   help="FSDP sharding strategy, or auto")
-    p.add_argument("--offload-optimizer", action="store_true", default=None)
-    p.add_argument("--offload-params", action="store_true", default=None)
-    p.add_argument("--tp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int)
-    p.add_argument("--global-batch", type=int)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--accounting", choices=ACCOUNTINGS, default="deepspeed")
-    p.add_argument("--headroom", type=float, default=0.10)
+                   help=field_help(TrainConfig, "fsdp_sharding", default=False)
+                   + "; or auto (the planner chooses)")
+    p.add_argument("--offload-optimizer", action="store_true", default=None,
+                   help=field_help(TrainConfig, "offload_optimizer", default=False) + "; " + _AUTO)
+    p.add_argument("--offload-params", action="store_true", default=None,
+                   help=field_help(TrainConfig, "offload_params", default=False) + "; " + _AUTO)
+    p.add_argument("--tp", type=int, help=field_help(TrainConfig, "tp", default=False) + "; " + _AUTO)
+    p.add_argument("--pp", type=int, help=field_help(TrainConfig, "pp", default=False) + "; " + _AUTO)
+    mirror("--micro-batch", TrainConfig, "micro_batch_size")
+    p.add_argument("--grad-accum", type=int,
+                   help=field_help(TrainConfig, "grad_accum", default=False)
+                   + "; default: from --global-batch, else 1")
+    p.add_argument("--global-batch", type=int,
+                   help=field_help(TrainConfig, "global_batch_size", default=False))
+    mirror("--seq-len", DataConfig, "seq_len")
+    mirror("--precision", TrainConfig, "precision", str, choices=PRECISIONS)
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   default=field_default(TrainConfig, "activation_checkpointing"),
+                   help=field_help(TrainConfig, "activation_checkpointing"))
+    mirror("--accounting", PlanConfig, "accounting", str, choices=ACCOUNTINGS)
+    mirror("--headroom", PlanConfig, "headroom")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -54,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = resolve_model(args.model or "tiny")
         fsdp = args.strategy != "auto"
-        engine = args.engine or ("fsdp" if fsdp else "deepspeed")
+        engine = args.engine or (
+            "fsdp" if fsdp else "deepspeed" if args.zero_stage is not None
+            else field_default(TrainConfig, "backend"))
         strategy = Strategy(
             engine=engine, zero_stage=args.zero_stage,
             fsdp_sharding=args.strategy if fsdp else None,

@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, get_args
 
+from pipeline.config import Accounting
 from pipeline.errors import PipelineError
 from pipeline.plan.spec import BatchSpec, Strategy
 from pipeline.plan.topology import ParallelDims
 from pipeline.presets import ModelShape
 
-Accounting = Literal["paper", "deepspeed"]
-ACCOUNTINGS: tuple[str, ...] = ("paper", "deepspeed")
+ACCOUNTINGS: tuple[str, ...] = get_args(Accounting)
 
 #: ZeRO paper's optimizer-state multiplier for mixed-precision Adam (fp32 master + m + v).
 PAPER_K = 12

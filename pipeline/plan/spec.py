@@ -1,14 +1,24 @@
 """Typed inputs of the planner: the cluster, the batch/precision settings, the strategy.
 
 Every field names the config key it comes from (:data:`KEYS`), so that an error found here can
-tell the user exactly what to change in ``config.yaml``.
+tell the user exactly what to change in ``config.yaml``. The value sets (precision, engine, FSDP
+sharding) and the defaults of the fields that mirror a config key are those of
+:mod:`pipeline.config`, defined there once; ``pipeline.render.planner_inputs`` maps a run's
+config onto these types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
+from pipeline.config import (
+    Backend,
+    ClusterConfig,
+    FsdpSharding,
+    Precision,
+    field_default,
+)
 from pipeline.errors import PipelineError
 
 #: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config.py``).
@@ -34,10 +44,11 @@ KEYS: dict[str, str] = {
     "deepspeed": "train.deepspeed",
 }
 
-Precision = Literal["bf16", "fp16", "fp32"]
-Engine = Literal["deepspeed", "fsdp"]
-FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-FSDP_SHARDINGS: tuple[str, ...] = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+#: The planner's engine is the config's ``train.backend``.
+Engine = Backend
+ENGINES: tuple[str, ...] = get_args(Backend)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+FSDP_SHARDINGS: tuple[str, ...] = get_args(FsdpSharding)
 
 GB = 1_000_000_000
 """Bytes per GB. Decimal, as the ZeRO paper (120 GB = 16 × 7.5e9) and GPU marketing use it."""
@@ -52,16 +63,16 @@ def _positive_int(key: str, value: object) -> None:
 class Cluster:
     """The machines a job gets."""
 
-    nodes: int = 1
+    nodes: int = field_default(ClusterConfig, "nodes")
     """Number of nodes (``sbatch --nodes``)."""
 
-    gpus_per_node: int = 8
+    gpus_per_node: int = field_default(ClusterConfig, "gpus_per_node")
     """GPUs (ranks) per node (``--gpus-per-node``, ``--ntasks-per-node``)."""
 
-    gpu_mem_gb: float = 80.0
+    gpu_mem_gb: float = field_default(ClusterConfig, "gpu_mem_gb")
     """Memory of one GPU in GB (1e9 bytes)."""
 
-    host_mem_gb: float = 512.0
+    host_mem_gb: float = field_default(ClusterConfig, "host_mem_gb")
     """Host RAM of one node in GB usable by the job (``--mem``)."""
 
     gpu_reserved_gb: float = 2.0
@@ -118,9 +129,9 @@ class BatchSpec:
             _positive_int("grad_accum", self.grad_accum)
         if self.global_batch_size is not None:
             _positive_int("global_batch_size", self.global_batch_size)
-        if self.precision not in ("bf16", "fp16", "fp32"):
+        if self.precision not in PRECISIONS:
             raise PipelineError(
-                f"{KEYS['precision']}: {self.precision!r} is not one of bf16, fp16, fp32")
+                f"{KEYS['precision']}: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
 
     @property
     def param_bytes(self) -> int:
@@ -163,8 +174,9 @@ class Strategy:
     """Overlap gradient reduction with backward; costs 4.5 × the bucket sizes (see memory.py)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("deepspeed", "fsdp"):
-            raise PipelineError(f"{KEYS['engine']}: {self.engine!r} is not one of deepspeed, fsdp")
+        if self.engine not in ENGINES:
+            raise PipelineError(
+                f"{KEYS['engine']}: {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PipelineError(
                 f"{KEYS['zero_stage']}: ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
