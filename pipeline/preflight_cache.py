@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
+from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,9 @@ _DISTRIBUTIONS = ("deepspeed", "torch", "pydantic")
 _PACKAGE = Path(__file__).resolve().parent
 
 
+@lru_cache(maxsize=1)
 def environment_fingerprint() -> dict[str, str]:
-    """Versions that can change a verdict, read from metadata (nothing imported)."""
+    """Versions that can change a verdict, read from metadata (nothing imported); once."""
     versions = {"python": sys.version}
     for dist in _DISTRIBUTIONS:
         try:
@@ -49,12 +51,14 @@ def environment_fingerprint() -> dict[str, str]:
 def run_key(run_dump: dict[str, Any], *, vocab_size: int | None) -> str:
     """The cache key of one run's verdict: its effective config, vocabulary and versions."""
     blob = json.dumps({"run": run_dump, "vocab_size": vocab_size,
-                       "env": environment_fingerprint()},
+                       "env": dict(environment_fingerprint())},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+@cache
 def _sha(path: Path) -> str:
+    """sha256 of a source file, once per process (every run's marker names the same files)."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

@@ -19,12 +19,16 @@ def snakemake(workdir, *args):
     )
 
 
-def write_config(tmp_path, mutate):
+def write_config(tmp_path, mutate, name="config.yaml"):
     cfg = yaml.safe_load(yaml.safe_dump(DEFAULT))
     mutate(cfg)
-    path = tmp_path / "config.yaml"
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def bad_deepspeed_key(cfg):
+    cfg["runs"]["deepspeed"]["train"]["deepspeed"] = {"bogus_option": 1}
 
 
 @pytest.mark.parametrize(
@@ -35,8 +39,11 @@ def write_config(tmp_path, mutate):
         (lambda c: c["train"].update(global_batch_size=10), "train.global_batch_size (10) must equal"),
         (lambda c: c["data"].update(sources=[{"path": "/nonexistent/corpus-*.txt"}]),
          "data.sources.0.path: '/nonexistent/corpus-*.txt' matches no file"),
+        # Past the typed parse: only the pre-flight (planner + installed DeepSpeed) sees this.
+        (bad_deepspeed_key, "train.deepspeed.bogus_option: DeepSpeed does not read"),
     ],
-    ids=["unknown-key", "wrong-type", "batch-does-not-divide", "corpus-matches-nothing"],
+    ids=["unknown-key", "wrong-type", "batch-does-not-divide", "corpus-matches-nothing",
+         "deepspeed-unknown-key"],
 )
 def test_bad_config_stops_before_any_job(tmp_path, mutate, needle):
     cfg = write_config(tmp_path, mutate)
@@ -61,3 +68,27 @@ def test_lint_is_clean(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "Lints for" not in out, out
+
+
+def test_preflight_runs_in_the_main_process_only_and_its_pass_is_cached(tmp_path):
+    # A cluster job of the executor plugin parses the Snakefile with --mode remote: the main
+    # process has checked the config already, so no planner/DeepSpeed there (a bad config that
+    # only the pre-flight catches goes through that parse).
+    bad = write_config(tmp_path, bad_deepspeed_key, "bad.yaml")
+    res = snakemake(tmp_path, "--configfile", str(bad), "--mode", "remote", "-n")
+    assert res.returncode == 0, res.stderr
+    assert "bogus_option" not in res.stdout + res.stderr
+    cache = tmp_path / ".snakemake" / "zerosnake" / "preflight"
+    assert not cache.exists()
+    # The main process records one pass per run, and a second start with the same config
+    # finds them (nothing new written).
+    good = write_config(tmp_path, lambda c: None)
+    assert snakemake(tmp_path, "--configfile", str(good), "-n").returncode == 0
+    markers = sorted(p.name for p in cache.glob("*.ok"))
+    assert len(markers) == len(DEFAULT["runs"])
+    stamps = [p.stat().st_mtime_ns for p in sorted(cache.glob("*.ok"))]
+    assert snakemake(tmp_path, "--configfile", str(good), "-n").returncode == 0
+    assert [p.stat().st_mtime_ns for p in sorted(cache.glob("*.ok"))] == stamps
+    # A pass of another config does not cover a failing one.
+    res = snakemake(tmp_path, "--configfile", str(bad), "-n")
+    assert res.returncode != 0 and "bogus_option" in res.stdout + res.stderr
