@@ -485,6 +485,33 @@ def load_run_config(path: str | Path) -> RunConfig:
     return parse_run_config(json.loads(Path(path).read_text()))
 
 
+def mirror_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    cls: type[BaseModel],
+    name: str,
+    **kwargs: Any,
+) -> argparse.Action:
+    """Add a command-line option that mirrors a config field: the field's default, help text
+    (:func:`field_help`) and, for a ``Literal`` field, its choices; ``kwargs`` override them
+    (``required=True`` keeps the option without a default)."""
+    info = cls.model_fields[name]
+    own = None if info.is_required() else field_default(cls, name)
+    if "default" not in kwargs and not kwargs.get("required"):
+        kwargs["default"] = own
+    same = "default" in kwargs and kwargs["default"] == own
+    kwargs.setdefault("help", field_help(cls, name, default=same))
+    if isinstance(own, bool):
+        kwargs.setdefault("action", "store_true" if not own else argparse.BooleanOptionalAction)
+    elif "choices" not in kwargs and "type" not in kwargs:
+        try:
+            kwargs["choices"] = field_choices(cls, name)
+        except TypeError:
+            if own is not None:
+                kwargs["type"] = type(own)
+    return parser.add_argument(flag, **kwargs)
+
+
 def expand_sources(sources: list[SourceConfig]) -> list[Path]:
     """All input files of ``data.sources``, expanded exactly as the tokenizer and tokenize
     stages expand them (:func:`pipeline.sources.expand_paths`); a source that matches nothing is

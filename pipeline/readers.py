@@ -17,12 +17,14 @@ Which part of which file a shard reads, and big documents, are :mod:`pipeline.so
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 # sources.BIG_DOC_BYTES is read at call time (tests shrink it to exercise big documents).
 from pipeline import sources
+from pipeline.config import SourceConfig, mirror_argument
 from pipeline.errors import PipelineError
 from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan
 
@@ -335,3 +337,11 @@ def iter_texts(
         if skipped is not None:
             for k, v in reader.skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
+
+
+def add_reader_arguments(ap: argparse.ArgumentParser) -> None:
+    """--format, --text-field, --doc-split: the reading options of ``data.sources`` (default
+    and help from ``pipeline.config``), for the tokenizer and tokenize commands."""
+    mirror_argument(ap, "--format", SourceConfig, "format")
+    mirror_argument(ap, "--text-field", SourceConfig, "text_field")
+    mirror_argument(ap, "--doc-split", SourceConfig, "doc_split")

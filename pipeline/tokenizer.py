@@ -2,8 +2,8 @@
 
 CLI::
 
-    python -m pipeline.tokenizer train --input PATH_OR_GLOB... --vocab-size N --out DIR
-        [--format txt|jsonl|parquet] [--text-field F] [--doc-split file|blank-line]
+    python -m pipeline.tokenizer train --input PATH_OR_GLOB... [--vocab-size N] --out DIR
+        [--format auto|txt|jsonl|parquet] [--text-field F] [--doc-split file|blank-line]
         [--max-bytes N] [--special-token TOK ...] [--bos-token TOK] [--min-frequency N]
     python -m pipeline.tokenizer import --path DIR_OR_TOKENIZER_JSON --out DIR
     python -m pipeline.tokenizer fingerprint DIR
@@ -564,8 +564,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (2 with ``error: ...`` on a user error)."""
+def _parser() -> argparse.ArgumentParser:
+    """Options that mirror a config key (``data.tokenizer.*``, ``data.sources[].*``) take its
+    default and description from ``pipeline.config``."""
+    from pipeline.config import TokenizerConfig, mirror_argument
+    from pipeline.readers import add_reader_arguments
+
     ap = argparse.ArgumentParser(
         prog="python -m pipeline.tokenizer", description=__doc__.split("\n")[0]
     )
@@ -577,18 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="files, globs or dirs; <stdlib> = Python's stdlib dir",
     )
-    tr.add_argument("--vocab-size", type=int, required=True)
+    mirror_argument(tr, "--vocab-size", TokenizerConfig, "vocab_size")
     tr.add_argument("--out", required=True, help="output tokenizer directory")
-    tr.add_argument(
-        "--format", choices=["txt", "jsonl", "parquet"], default=None, help="default: by extension"
-    )
-    tr.add_argument(
-        "--text-field", default="text", help="JSONL field / Parquet column (default: text)"
-    )
-    tr.add_argument("--doc-split", choices=["file", "blank-line"], default="file")
-    tr.add_argument(
-        "--max-bytes", type=int, default=None, help="train on at most this many bytes of text"
-    )
+    add_reader_arguments(tr)
+    mirror_argument(tr, "--max-bytes", TokenizerConfig, "train_max_bytes")
     tr.add_argument("--special-token", action="append", help="extra special token (repeatable)")
     tr.add_argument("--bos-token", default=None, help="add this BOS token (default: none)")
     tr.add_argument("--min-frequency", type=int, default=2)
@@ -597,7 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     im.add_argument("--out", required=True, help="output tokenizer directory")
     fp = sub.add_parser("fingerprint", help="print the sha256 fingerprint of a tokenizer")
     fp.add_argument("path")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 with ``error: ...`` on a user error)."""
+    args = _parser().parse_args(argv)
     try:
         if args.cmd == "train":
             return _cmd_train(args)

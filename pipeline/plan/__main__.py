@@ -14,12 +14,12 @@ from pipeline.config import (
     TrainConfig,
     field_default,
     field_help,
+    mirror_argument,
 )
 from pipeline.errors import PipelineError
-from pipeline.plan.memory import ACCOUNTINGS
 from pipeline.plan.preflight import check
 from pipeline.plan.report import render_plan_md
-from pipeline.plan.spec import ENGINES, FSDP_SHARDINGS, PRECISIONS, BatchSpec, Cluster, Strategy
+from pipeline.plan.spec import ENGINES, FSDP_SHARDINGS, BatchSpec, Cluster, Strategy
 from pipeline.presets import PRESETS, ModelShape, resolve_model
 
 _AUTO = "default: auto (the planner chooses)"
@@ -33,15 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json")
     model.add_argument("--params", type=float, help="parameter count only, e.g. 7.5e9")
 
-    def mirror(flag: str, cls, name: str, type_=None, **kw) -> None:
-        default = field_default(cls, name)
-        p.add_argument(flag, type=type_ or type(default), default=default,
-                       help=field_help(cls, name), **kw)
-
-    mirror("--nodes", ClusterConfig, "nodes")
-    mirror("--gpus-per-node", ClusterConfig, "gpus_per_node")
-    mirror("--gpu-mem-gb", ClusterConfig, "gpu_mem_gb", float)
-    mirror("--host-mem-gb", ClusterConfig, "host_mem_gb", float)
+    mirror_argument(p, "--nodes", ClusterConfig, "nodes")
+    mirror_argument(p, "--gpus-per-node", ClusterConfig, "gpus_per_node")
+    mirror_argument(p, "--gpu-mem-gb", ClusterConfig, "gpu_mem_gb", type=float)
+    mirror_argument(p, "--host-mem-gb", ClusterConfig, "host_mem_gb", type=float)
     p.add_argument("--engine", choices=ENGINES, default=None,
                    help=field_help(TrainConfig, "backend", default=False)
                    + "; default: deepspeed with --zero-stage, fsdp with an FSDP --strategy, else "
@@ -57,19 +52,17 @@ def _parser() -> argparse.ArgumentParser:
                    help=field_help(TrainConfig, "offload_params", default=False) + "; " + _AUTO)
     p.add_argument("--tp", type=int, help=field_help(TrainConfig, "tp", default=False) + "; " + _AUTO)
     p.add_argument("--pp", type=int, help=field_help(TrainConfig, "pp", default=False) + "; " + _AUTO)
-    mirror("--micro-batch", TrainConfig, "micro_batch_size")
+    mirror_argument(p, "--micro-batch", TrainConfig, "micro_batch_size")
     p.add_argument("--grad-accum", type=int,
                    help=field_help(TrainConfig, "grad_accum", default=False)
                    + "; default: from --global-batch, else 1")
     p.add_argument("--global-batch", type=int,
                    help=field_help(TrainConfig, "global_batch_size", default=False))
-    mirror("--seq-len", DataConfig, "seq_len")
-    mirror("--precision", TrainConfig, "precision", str, choices=PRECISIONS)
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   default=field_default(TrainConfig, "activation_checkpointing"),
-                   help=field_help(TrainConfig, "activation_checkpointing"))
-    mirror("--accounting", PlanConfig, "accounting", str, choices=ACCOUNTINGS)
-    mirror("--headroom", PlanConfig, "headroom")
+    mirror_argument(p, "--seq-len", DataConfig, "seq_len")
+    mirror_argument(p, "--precision", TrainConfig, "precision")
+    mirror_argument(p, "--activation-checkpointing", TrainConfig, "activation_checkpointing")
+    mirror_argument(p, "--accounting", PlanConfig, "accounting")
+    mirror_argument(p, "--headroom", PlanConfig, "headroom")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 

@@ -1,13 +1,14 @@
 """CLI of the tokenize stage.
 
     python -m pipeline.tokenize shard --input PATH... --tokenizer DIR --seq-len N --shards K
-        --shard I --out DIR [--format txt|jsonl|parquet] [--text-field F]
+        --shard I --out DIR [--format auto|txt|jsonl|parquet] [--text-field F]
         [--doc-split file|blank-line] [--val-fraction F] [--on-invalid skip|fail] [--bos]
         [--no-fast] [--threads N] [--no-progress]
     python -m pipeline.tokenize gather --out DIR --shards K --tokenizer DIR
 
 ``shard`` may be omitted (``python -m pipeline.tokenize --input ...`` tokenizes one shard).
-User errors print ``error: <message>`` to stderr and exit with status 2.
+User errors print ``error: <message>`` to stderr and exit with status 2. Options that mirror a
+config key (``data.*``) take its default and description from ``pipeline.config``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pipeline.config import DataConfig, mirror_argument
 from pipeline.errors import PipelineError
+from pipeline.readers import add_reader_arguments
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Options that mirror a config key take its default and description from the config."""
     ap = argparse.ArgumentParser(
         prog="python -m pipeline.tokenize",
         description="Tokenize raw text into packed Arrow shards, then gather a manifest.",
@@ -34,30 +38,17 @@ def _parser() -> argparse.ArgumentParser:
         help="files, dirs or globs; <stdlib> = Python's stdlib dir",
     )
     sh.add_argument("--tokenizer", required=True, help="HF tokenizer dir or tokenizer.json")
-    sh.add_argument("--seq-len", type=int, required=True)
-    sh.add_argument("--shards", type=int, default=1)
-    sh.add_argument("--shard", type=int, default=0)
+    mirror_argument(sh, "--seq-len", DataConfig, "seq_len", required=True)
+    # Not data.shards' default: one command alone tokenizes everything unless told to split.
+    sh.add_argument(
+        "--shards", type=int, default=1, help="number of shard jobs, K (config: data.shards)"
+    )
+    sh.add_argument("--shard", type=int, default=0, help="this job's shard, 0 <= I < K")
     sh.add_argument("--out", required=True, help="data directory (shards/ and manifest.json)")
-    sh.add_argument(
-        "--format", choices=["txt", "jsonl", "parquet"], default=None, help="default: by extension"
-    )
-    sh.add_argument(
-        "--text-field", default="text", help="JSONL field / Parquet column (default: text)"
-    )
-    sh.add_argument(
-        "--doc-split",
-        choices=["file", "blank-line"],
-        default="file",
-        help="txt: one doc per file or per blank-line block",
-    )
-    sh.add_argument("--val-fraction", type=float, default=0.01)
-    sh.add_argument(
-        "--on-invalid",
-        choices=["skip", "fail"],
-        default=None,
-        help="invalid documents: skip and count, or fail (default: skip invalid UTF-8, fail on bad JSONL)",
-    )
-    sh.add_argument("--bos", action="store_true", help="start every document with the BOS token")
+    add_reader_arguments(sh)
+    mirror_argument(sh, "--val-fraction", DataConfig, "val_fraction")
+    mirror_argument(sh, "--on-invalid", DataConfig, "on_invalid")
+    mirror_argument(sh, "--bos", DataConfig, "bos")
     sh.add_argument(
         "--no-fast", action="store_true", help="use HF encode_batch, not the tiktoken fast path"
     )

@@ -35,6 +35,7 @@ from typing import BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config import DataConfig, field_default
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
 from pipeline.readers import DocReader
@@ -260,7 +261,7 @@ def tokenize_shard(
     shards: int,
     shard: int,
     out: str | os.PathLike[str],
-    val_fraction: float = 0.01,
+    val_fraction: float = field_default(DataConfig, "val_fraction"),
     on_invalid: str | None = None,
     bos: bool = False,
     fast: bool = True,
