@@ -36,18 +36,12 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import DataConfig, field_default
+from pipeline.encoders import HFEncoder, TiktokenEncoder, verify_encoder
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
 from pipeline.readers import DocReader
 from pipeline.sources import BigDoc, SourceSpec, plan
-from pipeline.tokenizer import (
-    HFEncoder,
-    TiktokenEncoder,
-    load_tokenizer,
-    make_encoder,
-    tokenizer_info,
-    verify_encoder,
-)
+from pipeline.tokenizer import load_tokenizer, make_encoder, tokenizer_info
 
 FORMAT = 1
 SPLITS = ("train", "validation")
@@ -273,14 +267,7 @@ def tokenize_shard(
     Skips the work (returning the existing stats) when the shard is already complete for the
     same inputs and options and its files match their checksums.
     """
-    if seq_len <= 1:
-        raise PipelineError(
-            f"--seq-len {seq_len} must be at least 2 (a sequence needs an input and a target)"
-        )
-    if shards < 1 or not 0 <= shard < shards:
-        raise PipelineError(f"--shard {shard} must be in 0..{shards - 1} (--shards {shards})")
-    if not 0.0 <= val_fraction < 1.0:
-        raise PipelineError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    _check_args(seq_len, shards, shard, val_fraction)
     info = tokenizer_info(tokenizer, bos=bos)
     sources = spec.resolve()
     src_list = [{"path": s.path, "bytes": s.bytes} for s in sources]
@@ -294,38 +281,12 @@ def tokenize_shard(
 
     tasks = plan(sources, shards, shard)
     reader = DocReader(spec, on_invalid=on_invalid)
-    tok = load_tokenizer(info.path)
-    encoder = make_encoder(tok, fast=fast, num_threads=num_threads)
-    writers: dict[str, _SplitWriter] = {}
     t0 = time.perf_counter()
-    bar = None
-    try:
-        for split in SPLITS:
-            writers[split] = _SplitWriter(
-                shard_path(out, split, shard), seq_len, info.eos_id, info.bos_id
-            )
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                desc=shard_name(shard),
-                unit="tok",
-                unit_scale=True,
-                mininterval=1.0 if sys.stderr.isatty() else 30.0,
-            )
-        encoder = _run(reader, tasks, encoder, tok, writers, val_fraction, bar)
-        split_stats = {s: writers[s].finish() for s in SPLITS}
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        encoder.close()
+    split_stats, encoder_name = _write_splits(
+        reader, tasks, info, out, shard, seq_len, val_fraction,
+        fast=fast, num_threads=num_threads, progress=progress,
+    )
     elapsed = time.perf_counter() - t0
-    for split in SPLITS:
-        split_stats[split]["path"] = str(shard_path(out, split, shard).relative_to(out))
     total_tokens = sum(s["tokens"] + s["tail_tokens"] for s in split_stats.values())
     docs = sum(s["documents"] for s in split_stats.values())
     if docs == 0 and shards == 1:
@@ -351,7 +312,7 @@ def tokenize_shard(
             }
             for t in tasks
         ],
-        "encoder": encoder.name,
+        "encoder": encoder_name,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(total_tokens / elapsed, 1) if elapsed > 0 else None,
     }
@@ -360,6 +321,65 @@ def tokenize_shard(
     tmp.write_text(json.dumps(stats) + "\n")
     os.replace(tmp, sp)
     return stats
+
+
+def _check_args(seq_len: int, shards: int, shard: int, val_fraction: float) -> None:
+    if seq_len <= 1:
+        raise PipelineError(
+            f"--seq-len {seq_len} must be at least 2 (a sequence needs an input and a target)"
+        )
+    if shards < 1 or not 0 <= shard < shards:
+        raise PipelineError(f"--shard {shard} must be in 0..{shards - 1} (--shards {shards})")
+    if not 0.0 <= val_fraction < 1.0:
+        raise PipelineError(f"--val-fraction {val_fraction} must be in [0, 1)")
+
+
+def _write_splits(
+    reader: DocReader,
+    tasks: list,
+    info,
+    out: Path,
+    shard: int,
+    seq_len: int,
+    val_fraction: float,
+    *,
+    fast: bool,
+    num_threads: int | None,
+    progress: bool,
+) -> tuple[dict[str, dict], str]:
+    """Encode the shard's documents into its train and validation files: (stats of each split,
+    name of the encoder that wrote them). A failure removes the partial files."""
+    tok = load_tokenizer(info.path)
+    encoder = make_encoder(tok, fast=fast, num_threads=num_threads)
+    writers: dict[str, _SplitWriter] = {}
+    bar = None
+    try:
+        for split in SPLITS:
+            writers[split] = _SplitWriter(
+                shard_path(out, split, shard), seq_len, info.eos_id, info.bos_id
+            )
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                desc=shard_name(shard),
+                unit="tok",
+                unit_scale=True,
+                mininterval=1.0 if sys.stderr.isatty() else 30.0,
+            )
+        encoder = _run(reader, tasks, encoder, tok, writers, val_fraction, bar)
+        split_stats = {s: writers[s].finish() for s in SPLITS}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        encoder.close()
+    for split in SPLITS:
+        split_stats[split]["path"] = str(shard_path(out, split, shard).relative_to(out))
+    return split_stats, encoder.name
 
 
 def _batches(
