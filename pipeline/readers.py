@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, get_args
 
 # sources.BIG_DOC_BYTES is read at call time (tests shrink it to exercise big documents).
 from pipeline import sources
-from pipeline.config import SourceConfig, mirror_argument
+from pipeline.config import OnInvalid, SourceConfig, mirror_argument
 from pipeline.errors import PipelineError
 from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan
 
@@ -56,9 +56,11 @@ class DocReader:
     error), "skip" = skip and count everything, "fail" = every invalid document is an error.
     """
 
-    def __init__(self, spec: SourceSpec, *, on_invalid: str | None = None) -> None:
-        if on_invalid not in (None, "skip", "fail"):
-            raise PipelineError(f"--on-invalid {on_invalid!r} must be 'skip' or 'fail'")
+    def __init__(self, spec: SourceSpec, *, on_invalid: OnInvalid | None = None) -> None:
+        if on_invalid is not None and on_invalid not in get_args(OnInvalid):
+            raise PipelineError(
+                f"--on-invalid {on_invalid!r} must be one of {', '.join(get_args(OnInvalid))}"
+            )
         self.spec = spec
         self.on_invalid = on_invalid
         self.skipped: dict[str, int] = {}

@@ -95,3 +95,15 @@ def test_model_preset_fills_architecture_and_explicit_keys_win():
     assert (m.hidden_size, m.num_kv_heads, m.rope_theta, m.num_layers) == (4096, 8, 500000.0, 2)
     with pytest.raises(PipelineError, match=r"model\.preset: unknown preset 'llama9'"):
         parse_config(with_(model={"preset": "llama9"}))
+
+
+def test_planner_keys_name_config_fields():
+    from pipeline.config import ClusterConfig, DataConfig, TrainConfig
+    from pipeline.plan import KEYS
+
+    sections = {"data": DataConfig, "cluster": ClusterConfig, "train": TrainConfig}
+    for key in KEYS.values():
+        if key == "cluster.world_size":  # what the launcher starts, not a config key
+            continue
+        section, name = key.split(".")
+        assert name in sections[section].model_fields, key
