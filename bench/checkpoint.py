@@ -6,7 +6,7 @@ For each engine, ``torchrun --nproc-per-node 2`` runs this module's worker: the 
 (``pipeline.train.engines``) on a random-weight Llama takes one optimizer step (so Adam's
 moments exist), then
 
-* save: the trainer's own checkpoint path, ``pipeline.train.loop._save`` (engine files: DCP
+* save: the trainer's own checkpoint path, ``CheckpointManager.save`` (engine files: DCP
   for fsdp, ``save_checkpoint`` for deepspeed; RNG states; ``trainer.json``; the sha256
   manifest; the rename into place), timed from the first rank's start to the last rank's end;
 * load: what a resume does, ``checkpoint.latest_valid`` (sha256 of every file) and
@@ -63,7 +63,6 @@ def worker(run_dir: Path) -> None:
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
     from pipeline.model import build_model
-    from pipeline.train.loop import _save, config_hash
 
     run_cfg = load_run_config(run_dir / "config.json")
     env_ = RankEnv.from_env()
@@ -108,7 +107,9 @@ def worker(run_dir: Path) -> None:
     ck.finalize = timed("manifest_s", ck.finalize)
     dist.barrier()
     t0 = time.perf_counter()
-    _save(engine, root, state, run_cfg, config_hash(run_cfg), "bench-data", env_)
+    manager = ck.CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
+                                           rank=env_.rank, world_size=env_.world_size)
+    manager.save(engine, state)
     t_save = time.perf_counter() - t0
     if env_.rank == 0:
         evict(root)

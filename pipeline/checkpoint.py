@@ -13,6 +13,11 @@ Every rank writes into ``checkpoints/.tmp-step-000050`` (the engines' files thro
 checksums, hashes whatever else is there, writes the manifest and renames the folder into place
 (OLMo-core's tmp-then-rename). Manifests of older checkpoints with sha256 still verify.
 A folder without a manifest that verifies is never resumed from.
+
+:class:`CheckpointManager` is the trainer's policy over these folders: which one to resume
+from (:func:`resume_point`), how a save runs across ranks, what a load restores. Only the RNG
+helpers and the manager's collective methods need torch, and they import it when called: this
+module stays light for the login node's commands.
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from pipeline.artifacts import CKPT_MANIFEST, checkpoint_steps, step_name
+from pipeline.artifacts import CHECKPOINTS, CKPT_MANIFEST, CKPT_TRAINER, checkpoint_steps, step_name
+from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST, digest_file
-from pipeline.io import read_json, sha256_file, write_json_atomic
+from pipeline.io import read_json, sha256_file, sha256_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +128,16 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for _, old in checkpoint_steps(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(root, keep_last)
     return final
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest ``keep_last`` checkpoints; returns the removed folders."""
+    old = [path for _, path in checkpoint_steps(root)[:-keep_last]] if keep_last > 0 else []
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def clean_tmp(root: Path) -> None:
@@ -145,6 +158,9 @@ def _fsync_dir(path: Path) -> None:
 # RNG state is saved as tensors and plain containers so that it loads with weights_only=True.
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, numpy, python)."""
+    import numpy as np
+    import torch
+
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
@@ -158,6 +174,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``rng_state`` returned."""
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
@@ -169,6 +188,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_rng(ckpt: Path, rank: int) -> None:
     """Write this rank's RNG state into a checkpoint folder."""
+    import torch
+
     path = ckpt / "rng" / f"rank-{rank:05d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), path)
@@ -176,6 +197,8 @@ def save_rng(ckpt: Path, rank: int) -> None:
 
 def load_rng(ckpt: Path, rank: int) -> bool:
     """Restore this rank's RNG state if the checkpoint has one (not when the world size changed)."""
+    import torch
+
     path = ckpt / "rng" / f"rank-{rank:05d}.pt"
     if not path.is_file():
         return False
@@ -207,3 +230,154 @@ class TrainerState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         return cls(**d)
+
+
+# --- the trainer's checkpoint policy ---------------------------------------------------------
+
+#: Train keys that do not change the trained model: bookkeeping and the layout (a run resumes on
+#: another world size with the same global batch).
+_LAYOUT_KEYS = ("checkpoint_every", "keep_last", "micro_batch_size", "grad_accum",
+                "global_batch_size", "record_samples")
+
+
+def config_hash(run: RunConfig) -> str:
+    """Hash of what determines the trained model: not bookkeeping (checkpoint cadence) and not
+    the layout (nodes, processes, micro batch × accumulation), so that a run can resume on
+    another world size with the same global batch."""
+    d = run.model_dump(mode="json")
+    for key in _LAYOUT_KEYS:
+        d["train"].pop(key, None)
+    d["cluster"] = None
+    d["plan"] = None
+    d["global_batch_size"] = run.global_batch_size
+    return sha256_json(d)
+
+
+def resume_point(root: Path, chash: str, data_hash: str) -> tuple[int, Path] | None:
+    """The checkpoint to resume from, if any: the newest that verifies (rank 0, no collective).
+
+    Checkpoints of another config are moved aside (Snakemake reruns a run whose config changed:
+    it must start fresh, not resume the old experiment). Checkpoints over other data are an
+    error: resuming would silently mix datasets."""
+    found = latest_valid(root)
+    if found is None:
+        return None
+    meta = read_json(found[1] / MANIFEST)
+    if meta.get("data_manifest_sha256") != data_hash:
+        raise PipelineError(
+            f"the checkpoints in {root} were trained on another tokenized dataset "
+            f"(data manifest {meta.get('data_manifest_sha256', '?')[:12]}, now "
+            f"{data_hash[:12]}); delete {root} to start over, or use a new run name"
+        )
+    if meta.get("config_hash") != chash:
+        dest = root.with_name(f"{CHECKPOINTS}.old-{meta.get('config_hash', 'unknown')[:12]}")
+        log.warning("config changed since %s: moving old checkpoints to %s", found[1], dest)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(root, dest)
+        return None
+    return found
+
+
+class CheckpointManager:
+    """One run's checkpoints as the trainer sees them: resume point, load, save, prune.
+
+    ``resume``, ``save`` and ``load`` are collective (every rank calls them, in the same order);
+    rank 0 alone chooses, writes manifests and prunes. The engine is anything with
+    ``save(folder) -> {"scheduler"?, "digests"?}`` and ``load(folder, extra)``
+    (``pipeline.train.engines.Engine``)."""
+
+    def __init__(self, root: Path, *, config_hash: str, data_hash: str, keep_last: int,
+                 backend: str, zero_stage: int | None, rank: int, world_size: int) -> None:
+        self.root = root
+        self.config_hash = config_hash
+        self.data_hash = data_hash
+        self.keep_last = keep_last
+        self.backend = backend
+        self.zero_stage = zero_stage if backend == "deepspeed" else None
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
+                world_size: int) -> CheckpointManager:
+        """The manager of ``run_dir/checkpoints`` for the rendered ``run``."""
+        return cls(run_dir / CHECKPOINTS, config_hash=config_hash(run), data_hash=data_hash,
+                   keep_last=run.train.keep_last, backend=run.train.backend,
+                   zero_stage=run.train.zero_stage, rank=rank, world_size=world_size)
+
+    def resume(self) -> Path | None:
+        """Collective: the checkpoint every rank resumes from (rank 0 removes half-written
+        folders, chooses with :func:`resume_point` and broadcasts its choice)."""
+        import torch.distributed as dist
+
+        found = None
+        if self.rank == 0:
+            clean_tmp(self.root)
+            found = resume_point(self.root, self.config_hash, self.data_hash)
+        box = [None if found is None else str(found[1])]
+        dist.broadcast_object_list(box, src=0)
+        return None if box[0] is None else Path(box[0])
+
+    def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
+        """Restore the engine, the loader and (same world size only) this rank's RNG from
+        ``path``; returns the trainer's state saved with it."""
+        saved_world = read_json(path / MANIFEST).get("world_size")
+        if self.backend == "deepspeed" and saved_world != self.world_size:
+            raise PipelineError(
+                f"checkpoint {path} was saved by {saved_world} DeepSpeed ranks, this job has "
+                f"{self.world_size}: ZeRO partitions do not reshard on load. Convert it with "
+                f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/ds "
+                "--output_folder <dir>` and load that (DeepSpeed's universal checkpoint), "
+                f"or run on {saved_world} processes; fsdp runs reshard automatically"
+            )
+        state = TrainerState.from_json(read_json(path / CKPT_TRAINER))
+        engine.load(path, {"scheduler": state.scheduler})
+        loader.load_state_dict(state.loader)
+        if saved_world == self.world_size:
+            load_rng(path, self.rank)
+        return state
+
+    def save(self, engine: Any, state: TrainerState) -> Path:
+        """Collective: every rank writes into the tmp folder (engine files, its RNG), rank 0
+        the trainer state; rank 0 then gathers the writers' checksums and finalizes (manifest
+        last, rename into place, prune). ``state.scheduler`` is updated from the engine."""
+        import torch.distributed as dist
+
+        tmp = tmp_dir(self.root, state.step)
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        extra = engine.save(tmp)
+        state.scheduler = extra.get("scheduler")
+        save_rng(tmp, self.rank)
+        if self.rank == 0:
+            write_json_atomic(tmp / CKPT_TRAINER, state.to_json())
+        # Every rank's files are on disk (fsynced by the writer) before the manifest vouches
+        # for them; the checksums taken while writing travel to rank 0 with this gather.
+        digests: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(extra.get("digests", {}), digests, dst=0)
+        if self.rank == 0:
+            assert digests is not None
+            known = {k: v for d in digests for k, v in (d or {}).items()}
+            finalize(self.root, state.step, self._meta(state), self.keep_last, known)
+        dist.barrier()
+        return step_dir(self.root, state.step)
+
+    def _meta(self, state: TrainerState) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "zero_stage": self.zero_stage,
+            "world_size": self.world_size,
+            "config_hash": self.config_hash,
+            "data_manifest_sha256": self.data_hash,
+            "tokens_seen": state.tokens_seen,
+        }
+
+    def step_dir(self, step: int) -> Path:
+        """The folder of ``step``'s checkpoint."""
+        return step_dir(self.root, step)
+
+    def prune(self) -> list[Path]:
+        """Keep the newest ``keep_last`` checkpoints (rank 0; ``save`` does it after each)."""
+        return prune(self.root, self.keep_last) if self.rank == 0 else []

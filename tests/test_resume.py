@@ -192,9 +192,9 @@ def test_a_corrupted_checkpoint_is_skipped_for_the_previous_one(reference, data_
         time.sleep(0.01)
     kill_a_rank(proc)
     finish(proc, expect_ok=False)
-    from pipeline.checkpoint import _steps
+    from pipeline.artifacts import checkpoint_steps
 
-    (newest_step, newest), *_ = reversed(_steps(run_dir / "checkpoints"))
+    (newest_step, newest), *_ = reversed(checkpoint_steps(run_dir / "checkpoints"))
     victim = next(p for p in newest.rglob("*.distcp"))
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated, as by a full disk
     finish(torchrun(run_dir, data_dir), expect_ok=True)

@@ -1,6 +1,6 @@
 """The two training engines behind one small interface.
 
-The loop in ``loop.py`` only calls ``train_step``, ``save``, ``load`` and ``logits``; which
+The trainer (``trainer.py``) only calls ``train_step``, ``save``, ``load`` and ``logits``; which
 engine runs is one config key (``train.backend``).
 """
 
@@ -9,13 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,28 +70,27 @@ def _enable_activation_checkpointing(model: Any) -> None:
 
 
 class FSDPEngine:
-    """FSDP2: ``fully_shard`` per decoder layer, then the root; DCP checkpoints."""
+    """FSDP2: ``fully_shard`` per decoder layer, then the root; DCP checkpoints.
 
-    def __init__(self, model: Any, run: RunConfig, device: torch.device) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+    ``mesh``: the world mesh of ``pipeline.train.parallel.build_mesh`` (FSDP2 shards over its
+    data-parallel sub-mesh, :func:`~pipeline.train.parallel.fsdp_mesh`); built here from the
+    run's layout when not given."""
+
+    def __init__(self, model: Any, run: RunConfig, device: torch.device,
+                 mesh: DeviceMesh | None = None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from pipeline.train.parallel import build_mesh, fsdp_mesh, parallel_dims
+
         t = run.train
-        world = dist.get_world_size()
         if t.activation_checkpointing:
             _enable_activation_checkpointing(model)
         model.to(device)
-        if t.fsdp_sharding == "NO_SHARD":
-            # Replicate over all ranks, shard over a dimension of size 1: DDP semantics (HSDP).
-            mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
-        elif t.fsdp_sharding == "HYBRID_SHARD":
-            # Shard inside a node (fast links), replicate across nodes: a 2-D mesh.
-            per_node = run.cluster.gpus_per_node
-            mesh = init_device_mesh(
-                device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        if mesh is None:
+            mesh = build_mesh(parallel_dims(run), device.type, t.fsdp_sharding)
+        # FULL_SHARD / SHARD_GRAD_OP: 1-D (dp_shard). NO_SHARD: (dp_replicate=dp, dp_shard=1),
+        # DDP semantics. HYBRID_SHARD: shard inside a node (fast links), replicate across nodes.
+        dp_mesh = fsdp_mesh(mesh)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if t.precision == "bf16"
@@ -98,8 +99,8 @@ class FSDPEngine:
         # SHARD_GRAD_OP (ZeRO-2-like) keeps parameters gathered between forward and backward.
         reshard = t.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         self.model = model
         self.clip = t.grad_clip
         self.opt = torch.optim.AdamW(

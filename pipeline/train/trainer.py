@@ -1,0 +1,370 @@
+"""The trainer run by every rank under ``torchrun`` (torchtitan's shape): build → train → close.
+
+:class:`Trainer` builds the device, the process group, the parallel layout and its device mesh
+(``pipeline.train.parallel``), the model and its engine, the data loader, the checkpoint
+manager (``pipeline.checkpoint``) and rank 0's recorder; ``train()`` runs ``train_step()`` until
+``train.max_steps`` or an agreed stop; ``close()`` tears down whatever was built. What it leaves
+in the run dir is spelled in ``pipeline.artifacts``.
+
+Exit codes (``pipeline.artifacts``): ``EXIT_OK`` finished (``train.done`` written);
+``EXIT_REQUEUE`` stopped on request after a complete checkpoint (the launcher requeues);
+anything else failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline import checkpoint as ck
+from pipeline.artifacts import (
+    DATA_MANIFEST,
+    DS_CONFIG,
+    EXIT_OK,
+    EXIT_REQUEUE,
+    LOCK,
+    METRICS,
+    PROBE_LOGITS,
+    RUN_CONFIG,
+    STOP,
+    STOPPED,
+    append_event,
+    append_jsonl,
+    attempts,
+    write_train_done,
+)
+from pipeline.config import RunConfig, load_run_config
+from pipeline.distenv import RankEnv
+from pipeline.errors import PipelineError
+from pipeline.io import read_json, sha256_file, write_json_atomic
+from pipeline.model import build_model, flops_per_token, peak_flops
+from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims
+
+log = logging.getLogger("pipeline.train")
+
+
+class StopRequest:
+    """A stop flag set by SIGUSR2 (Slurm's time-limit warning, when delivered to the ranks) or
+    by a ``STOP`` file in the run dir (how the node task bridges the warning: torchrun forwards
+    only TERM/INT/HUP/QUIT to its workers).
+
+    Every step the ranks OR their flags with one all-reduce, so they all stop at the same step.
+    SIGTERM keeps its default (die): torchrun uses it to tear down the other ranks when one
+    fails, and a rank that ignored it would hang in a collective with the dead peer.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.flag = False
+        self.file = run_dir / STOP
+        signal.signal(signal.SIGUSR2, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def agreed(self, device: torch.device) -> bool:
+        local = self.flag or self.file.exists()
+        t = torch.tensor([1.0 if local else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+class Recorder:
+    """Rank 0's logs: metrics.jsonl (one line per step), events.jsonl, and TensorBoard (tb/).
+    Other ranks' recorders write nothing."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir = run_dir
+        self.on = rank == 0
+        self.tb = None
+        self.attempt = attempts(run_dir) + 1 if self.on else 1
+        if self.on:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional for the loop; metrics.jsonl is not
+                log.warning("tensorboard is not installed: writing metrics.jsonl only")
+            else:
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def event(self, name: str, **kw: Any) -> None:
+        if self.on:
+            append_event(self.run_dir, name, attempt=self.attempt, **kw)
+
+    def step(self, rec: dict[str, Any]) -> None:
+        if self.on:
+            append_jsonl(self.run_dir / METRICS, {**rec, "attempt": self.attempt})
+        if self.tb is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def select_device(run: RunConfig, env: RankEnv) -> torch.device:
+    """This rank's device: its local GPU (``cluster.device`` cuda, or auto with one), else cpu."""
+    want = run.cluster.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise PipelineError("cluster.device is cuda but no GPU is visible to this process")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def hold_run_lock(run_dir: Path) -> Any:
+    """Rank 0 holds an exclusive lock on the run dir while it trains: a second trainer on the
+    same run (a restarted Snakemake while an orphaned job still runs) fails instead of
+    interleaving checkpoints. The kernel drops the lock when the process dies."""
+    import fcntl
+
+    f = (run_dir / LOCK).open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise PipelineError(
+            f"another training process holds {run_dir / LOCK}: this run is already "
+            "training; wait for it (the launcher does), or stop it first"
+        ) from None
+    return f
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    """Peak memory of this rank: allocated on the GPU, else the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    # ru_maxrss is KiB on Linux: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+class Trainer:
+    """One rank's training of one rendered run.
+
+    ``Trainer(run_dir, data_dir)`` reads the config and picks the device (no collective);
+    :meth:`build` starts the process group and builds the rest; :meth:`train` returns the exit
+    code; :meth:`close` tears down what was built (call it in a ``finally``; :func:`run` does).
+    """
+
+    def __init__(self, run_dir: Path, data_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.data_dir = data_dir
+        self.run = load_run_config(run_dir / RUN_CONFIG)
+        self.env = RankEnv.from_env()
+        self.device = select_device(self.run, self.env)
+        self.dist_backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.dims = parallel_dims(self.run)
+        self.rec: Recorder | None = None
+        self.lock: Any = None
+        self.samples: Any = None
+        self.state = ck.TrainerState()
+
+    # --- build -------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Process group, layout check, recorder and lock, then model, engine, data and the
+        checkpoint manager; resumes from the newest valid checkpoint."""
+        from pipeline.data import BatchLoader, PackedDataset
+
+        dist.init_process_group(backend=self.dist_backend)
+        self._check_layout()
+        t, env = self.run.train, self.env
+        self.rec = Recorder(self.run_dir, env.rank)
+        self.lock = hold_run_lock(self.run_dir) if env.rank == 0 else None
+        dataset = PackedDataset(self.data_dir, split="train")
+        tok = dataset.manifest["tokenizer"]
+        model = build_model(self.run.model, vocab_size=tok["vocab_size"], eos_id=tok["eos_id"],
+                            bos_id=tok.get("bos_id"), seed=t.seed)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = flops_per_token(self.n_params, self.run.model.num_layers,
+                                               self.run.model.hidden_size, self.run.data.seq_len)
+        self.engine = self._build_engine(model)
+        dp_rank, dp_size = dp_coords(self.dims, env.rank)
+        self.loader = BatchLoader(dataset, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
+                                  dp_size=dp_size, seed=t.seed)
+        self.ckpt = ck.CheckpointManager.for_run(
+            self.run_dir, self.run, data_hash=sha256_file(self.data_dir / DATA_MANIFEST),
+            rank=env.rank, world_size=env.world_size)
+        self._resume()
+        log.info("rank %d: starting at step %d of %d", env.rank, self.state.step, t.max_steps)
+        self.stop = StopRequest(self.run_dir)
+        # Audit trail of the data order (which global sequence indices each rank consumed).
+        if t.record_samples:
+            self.samples = (self.run_dir / f"samples-rank{env.rank:05d}.jsonl").open(
+                "a", buffering=1)
+        self.peak_flops = peak_flops(self.device)
+        self.tokens_per_step = self.run.global_batch_size * self.run.data.seq_len
+
+    def _check_layout(self) -> None:
+        world = dist.get_world_size()
+        if world != self.run.world_size:
+            raise PipelineError(
+                f"launched with {world} processes, but the plan has "
+                f"{self.run.world_size} (cluster.nodes × cluster.gpus_per_node); re-render the run"
+            )
+        if self.dims.tp > 1 or self.dims.pp > 1:  # config validation refuses these already
+            raise PipelineError(
+                f"train.tp ({self.dims.tp}) / train.pp ({self.dims.pp}): the trainer runs data "
+                "parallelism only; set both to 1"
+            )
+
+    def _build_engine(self, model: Any) -> Any:
+        t = self.run.train
+        if t.backend == "deepspeed":
+            from pipeline.train.engines import DeepSpeedEngine
+
+            # DeepSpeed builds its own groups (it takes sizes, not a DeviceMesh): pure DP here.
+            return DeepSpeedEngine(model, self.run, read_json(self.run_dir / DS_CONFIG))
+        from pipeline.train.engines import FSDPEngine
+
+        self.mesh = build_mesh(self.dims, self.device.type, t.fsdp_sharding)
+        return FSDPEngine(model, self.run, self.device, mesh=self.mesh)
+
+    def _resume(self) -> None:
+        assert self.rec is not None
+        path = self.ckpt.resume()
+        if path is None:
+            self.rec.event("start", resumed_from=0, checkpoint=None)
+            return
+        t_load = time.perf_counter()
+        self.state = self.ckpt.load(path, self.engine, self.loader)
+        self.rec.event("load", step=self.state.step, seconds=time.perf_counter() - t_load)
+        self.rec.event("start", resumed_from=self.state.step, checkpoint=path.name)
+
+    # --- train -------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum`` micro batches; returns (and records) its
+        metrics. Raises on a non-finite loss (nothing saved: the last good checkpoint stays)."""
+        assert self.rec is not None
+        state, world = self.state, self.env.world_size
+        t0 = time.perf_counter()
+        batches = [self.loader.next_batch() for _ in range(self.run.train.grad_accum)]
+        micro = [b["input_ids"].to(self.device) for b in batches]
+        if self.samples is not None:
+            self.samples.write(json.dumps(
+                {"step": state.step + 1, "indices": [int(i) for b in batches for i in b["indices"]]}
+            ) + "\n")
+        res = self.engine.train_step(micro)
+        nccl = self.dist_backend == "nccl"
+        loss = torch.tensor([res.loss], device=self.device)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM)
+        mean_loss = loss.item() if nccl else loss.item() / world
+        state.step += 1
+        state.tokens_seen += self.tokens_per_step
+        dt = time.perf_counter() - t0
+        if not math.isfinite(mean_loss):
+            self.rec.event("nan", step=state.step)
+            raise PipelineError(
+                f"loss is {mean_loss} at step {state.step}; stopping without saving. The last "
+                f"good checkpoint is kept in {self.ckpt.root}. Lower train.lr or check the data."
+            )
+        tps = self.tokens_per_step / dt
+        rec = {
+            "step": state.step,
+            "time": time.time(),
+            "loss": mean_loss,
+            "lr": res.lr,
+            "grad_norm": res.grad_norm,
+            "tokens_seen": state.tokens_seen,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": (None if self.peak_flops is None
+                    else tps * self.flops_per_token / (self.peak_flops * world)),
+            "peak_mem_gb": peak_mem_gb(self.device),
+        }
+        self.rec.step(rec)
+        return rec
+
+    def save(self) -> None:
+        """Collective: a checkpoint of the current step (loader state included)."""
+        assert self.rec is not None
+        self.state.loader = self.loader.state_dict()
+        t_save = time.perf_counter()
+        self.ckpt.save(self.engine, self.state)
+        self.rec.event("save", step=self.state.step, seconds=time.perf_counter() - t_save)
+
+    def train(self) -> int:
+        """Steps until ``train.max_steps`` (then the probe and ``train.done``: ``EXIT_OK``) or
+        an agreed stop request (a checkpoint, ``stopped.json``: ``EXIT_REQUEUE``)."""
+        assert self.rec is not None
+        t, state = self.run.train, self.state
+        while state.step < t.max_steps:
+            self.train_step()
+            stopping = self.stop.agreed(self.device)
+            if stopping or state.step % t.checkpoint_every == 0 or state.step == t.max_steps:
+                self.save()
+            if stopping and state.step < t.max_steps:
+                self.rec.event("stop", step=state.step)
+                if self.env.rank == 0:
+                    write_json_atomic(self.run_dir / STOPPED, {"step": state.step})
+                return EXIT_REQUEUE
+        self.finish()
+        return EXIT_OK
+
+    def finish(self) -> None:
+        """After the last step: the probe logits, then (rank 0) ``train.done``."""
+        assert self.rec is not None
+        self.write_probe()
+        if self.env.rank == 0:
+            (self.run_dir / STOP).unlink(missing_ok=True)
+            (self.run_dir / STOPPED).unlink(missing_ok=True)
+            write_train_done(self.run_dir, {
+                "step": self.state.step, "tokens_seen": self.state.tokens_seen,
+                "checkpoint": self.ckpt.step_dir(self.state.step).name, "params": self.n_params,
+            })
+        self.rec.event("finish", step=self.state.step)
+
+    def write_probe(self) -> None:
+        """Logits of the final model on a fixed validation batch: consolidation's reference."""
+        from safetensors.torch import save_file
+
+        from pipeline.data import PackedDataset
+
+        val = PackedDataset(self.data_dir, split="validation")
+        n = min(2, len(val))
+        ids = torch.stack([torch.from_numpy(val[i].astype("int64")) for i in range(n)])
+        ids = ids.to(self.device)
+        logits = self.engine.logits(ids)
+        if self.env.rank == 0:
+            save_file(
+                {"input_ids": ids.cpu().contiguous(), "logits": logits.cpu().contiguous()},
+                str(self.run_dir / PROBE_LOGITS),
+            )
+
+    # --- teardown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Recorder, sample log, process group, then the run lock (safe after a failed build)."""
+        if self.rec is not None:
+            self.rec.close()
+        if self.samples is not None:
+            self.samples.close()
+            self.samples = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
+
+def run(run_dir: Path, data_dir: Path) -> int:
+    """Train one run; returns the process exit code."""
+    trainer = Trainer(run_dir, data_dir)
+    try:
+        trainer.build()
+        return trainer.train()
+    finally:
+        trainer.close()
