@@ -1,0 +1,129 @@
+"""The gather step: the stats of every complete shard → ``manifest.json`` (written atomically).
+
+The layout of the shards and of their stats files is described in :mod:`pipeline.tokenize.shard`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.tokenize.shard import FORMAT, SPLITS, shard_name, stats_path
+from pipeline.tokenizer import tokenizer_info
+
+#: Per-split counts summed over the shards.
+_KEYS = ("sequences", "tokens", "documents", "tail_tokens")
+
+
+def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLike[str]) -> dict:
+    """Combine the stats of all ``shards`` shards into ``out/manifest.json`` (atomically)."""
+    out = Path(out)
+    stats = _load_stats(out, shards)
+    opts = stats[0]["options"]
+    info = tokenizer_info(tokenizer, bos=opts["bos"])
+    if info.fingerprint != opts["tokenizer_fingerprint"]:
+        raise PipelineError(
+            f"tokenizer {info.path} (fingerprint {info.fingerprint[:12]}) is not the one the shards "
+            f"were made with ({opts['tokenizer_fingerprint'][:12]}): rerun the shard jobs or name "
+            "the right --tokenizer"
+        )
+    splits = {split: _split(out, stats, split) for split in SPLITS}
+    if splits["train"]["documents"] == 0:
+        skipped = _sum_skipped(stats)
+        raise PipelineError(
+            f"the corpus has no usable training documents (skipped: {skipped or 'none'}): check "
+            "--input, --format, --text-field and --doc-split"
+        )
+    if splits["train"]["sequences"] == 0:
+        raise PipelineError(
+            f"the training split has {splits['train']['tail_tokens']} tokens, fewer than one "
+            f"sequence of {opts['seq_len']}: add data or lower --seq-len"
+        )
+    if opts["val_fraction"] > 0 and splits["validation"]["sequences"] == 0:
+        warnings.warn(
+            "the validation split has no full sequence: raise --val-fraction or add data",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    tok_dir = info.path.parent if info.path.name == "tokenizer.json" else info.path
+    manifest = {
+        "format": FORMAT,
+        "seq_len": opts["seq_len"],
+        "tokenizer": {
+            "path": os.path.relpath(tok_dir, out),
+            "fingerprint": info.fingerprint,
+            "vocab_size": info.vocab_size,
+            "eos_id": info.eos_id,
+            "bos_id": info.bos_id,
+        },
+        "splits": splits,
+        "skipped": _sum_skipped(stats),
+        "sources": stats[0]["sources"],
+        "options": {k: v for k, v in opts.items() if k not in ("tokenizer_fingerprint",)},
+        "encoders": sorted({st["encoder"] for st in stats}),
+    }
+    mp = out / "manifest.json"
+    tmp = mp.with_name(f"manifest.json.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, mp)
+    return manifest
+
+
+def _load_stats(out: Path, shards: int) -> list[dict]:
+    """The stats of every shard, checked to be there and made with the same inputs/options."""
+    if shards < 1:
+        raise PipelineError(f"--shards {shards} must be at least 1")
+    missing = [i for i in range(shards) if not stats_path(out, i).is_file()]
+    if missing:
+        raise PipelineError(
+            f"shard(s) {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''} of "
+            f"{shards} are not complete in {out / 'shards'} (no stats file): run those shard jobs first"
+        )
+    stats = [json.loads(stats_path(out, i).read_text()) for i in range(shards)]
+    opts = stats[0]["options"]
+    for st in stats[1:]:
+        if st["options"] != opts or st["sources"] != stats[0]["sources"]:
+            raise PipelineError(
+                f"{shard_name(st['shard'])} was made with different inputs or options than "
+                f"{shard_name(0)}: rerun all shard jobs with the same arguments"
+            )
+    if opts["shards"] != shards:
+        raise PipelineError(f"the shards were made with --shards {opts['shards']}, not {shards}")
+    return stats
+
+
+def _split(out: Path, stats: list[dict], split: str) -> dict:
+    """One split's manifest entry: its totals and each shard's file (checked to be there)."""
+    entries = []
+    for st in stats:
+        e = st["splits"][split]
+        p = out / e["path"]
+        if not p.is_file() or p.stat().st_size != e["bytes"]:
+            raise PipelineError(
+                f"{p} is missing or has the wrong size ({e['bytes']} bytes expected): rerun "
+                f"shard {st['shard']}"
+            )
+        entries.append(
+            {
+                "path": e["path"],
+                "sha256": e["sha256"],
+                "bytes": e["bytes"],
+                **{k: e[k] for k in _KEYS},
+            }
+        )
+    return {**{k: sum(e[k] for e in entries) for k in _KEYS}, "shards": entries}
+
+
+def _sum_skipped(stats: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for st in stats:
+        for k, v in st["skipped"].items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
