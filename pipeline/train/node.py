@@ -88,7 +88,10 @@ def _ignore_usr2() -> None:
 
 
 class NodeTask(submitit.helpers.Checkpointable):
-    """One node's share of a training job: run torchrun, bridge the stop signal to the ranks."""
+    """One node's share of a training job: run torchrun, bridge the stop signal to the ranks.
+
+    ``policy``: the job's launch options (budgets, exclude list, job env; pickled with the
+    task, so every attempt applies the same); None for the local executor."""
 
     def __init__(
         self,
