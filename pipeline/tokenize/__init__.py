@@ -5,7 +5,7 @@
 """
 
 from pipeline.sources import SourceSpec
-from pipeline.tokenize.gather import gather
+from pipeline.tokenize.manifest import gather
 from pipeline.tokenize.shard import shard_path, stats_path, tokenize_shard
 
 __all__ = ["SourceSpec", "gather", "shard_path", "stats_path", "tokenize_shard"]

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.insert(0, "shard")  # `python -m pipeline.tokenize --input ...` = one shard
     args = _parser().parse_args(argv)
     from pipeline.sources import SourceSpec
-    from pipeline.tokenize.gather import gather
+    from pipeline.tokenize.manifest import gather
     from pipeline.tokenize.shard import tokenize_shard
 
     try:

@@ -1,4 +1,4 @@
-"""One shard job: documents → packed Arrow sequences (the gather step is :mod:`.gather`).
+"""One shard job: documents → packed Arrow sequences (the gather step is :mod:`.manifest`).
 
 Output layout under ``out`` (see docs/ARCHITECTURE.md)::
 
