@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,8 @@ NODES = "nodes"  # launcher: one record per node and attempt
 SUBMITIT = "submitit"
 HF_DIR = "hf"  # consolidate
 HF_PROVENANCE = "zerosnake.json"  # consolidate: which checkpoint the HF dir came from
+#: In a folder a command replaces as a whole (the tokenizer dir): "this command wrote me".
+OUTPUT_MARKER = ".zerosnake-output"
 EVAL_DIR = "eval"  # evaluate: metrics.json, loss.png, report.md
 EVAL_METRICS = "metrics.json"
 
@@ -309,15 +311,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_replaceable(dest: Path, marker: str) -> None:
-    """Raise unless ``dest`` is absent or holds ``marker`` (it is what this command wrote
-    before): a command never replaces a folder it did not create."""
+def check_replaceable(dest: Path, marker: str, own_names: Collection[str] = ()) -> None:
+    """Raise unless ``dest`` is absent or is what this command wrote before: it holds
+    ``marker``, or (folders written before markers existed) holds nothing but ``own_names``.
+    A command never replaces a folder it did not create."""
     if not dest.exists() and not dest.is_symlink():
         return
     if dest.is_symlink() or not dest.is_dir():
         raise PipelineError(f"{dest} exists and is not a folder this command wrote: choose "
                             "another output path")
-    if not (dest / marker).is_file():
+    if (dest / marker).is_file():
+        return
+    if not {p.name for p in dest.iterdir()} <= set(own_names):
         raise PipelineError(
             f"{dest} exists and was not written by this command (no {marker} inside): "
             "nothing was changed; choose another output path or remove it yourself"
@@ -325,22 +330,22 @@ def check_replaceable(dest: Path, marker: str) -> None:
 
 
 @contextlib.contextmanager
-def replacing_dir(dest: Path, marker: str) -> Iterator[Path]:
+def replacing_dir(dest: Path, marker: str, own_names: Collection[str] = ()) -> Iterator[Path]:
     """Build a folder beside ``dest`` and put it in place atomically when the block succeeds.
 
     The block writes into the yielded folder, ``marker`` included. ``dest`` may be absent or
     hold ``marker`` (written by the same command before); anything else is refused before the
-    block runs. The old folder is swapped out in one step (renameat2 RENAME_EXCHANGE where the
+    block runs (``own_names``: see :func:`check_replaceable`). The old folder is swapped out in one step (renameat2 RENAME_EXCHANGE where the
     kernel has it, else rename aside then in) and removed; on failure nothing at ``dest``
     changes and the half-built folder is removed."""
     dest = Path(dest)
-    check_replaceable(dest, marker)
+    check_replaceable(dest, marker, own_names)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
         assert (tmp / marker).is_file(), f"{marker} was not written into {tmp}"
-        check_replaceable(dest, marker)  # again: it may have appeared meanwhile
+        check_replaceable(dest, marker, own_names)  # again: it may have appeared meanwhile
         if dest.exists() and _exchange(tmp, dest):
             shutil.rmtree(tmp)  # tmp now holds the old folder
         elif dest.exists():

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.artifacts import OUTPUT_MARKER, replacing_dir
 from pipeline.encoders import GPT2_PATTERN as GPT2_PATTERN
 from pipeline.encoders import HFEncoder, TiktokenEncoder, tiktoken_encoding_from_hf, verify_encoder
 from pipeline.encoders import byte_decoder as byte_decoder
@@ -35,6 +36,9 @@ from pipeline.encoders import cpu_count as cpu_count
 from pipeline.errors import PipelineError
 
 EOS_TOKEN = "<|endoftext|>"
+#: What a tokenizer folder written before output markers existed may hold (and be replaced).
+TOKENIZER_DIR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "vocab.json", "merges.txt", "chat_template.jinja")
 # Tried in order when a loaded tokenizer's config does not name its EOS/BOS token.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 _BOS_CANDIDATES = ("<|startoftext|>", "<s>", "<bos>", "<|begin_of_text|>")
@@ -228,7 +232,8 @@ def train_tokenizer(
 
     ``special_tokens`` get the first ids (``<|endoftext|>`` is always included and is the EOS);
     ``bos_token``, when given, is added as a special token and recorded as ``bos_token``.
-    Written atomically: into a temporary sibling directory, then renamed.
+    Written atomically: into a temporary sibling directory, then swapped in; an existing
+    ``out_dir`` is replaced only if this command wrote it (``pipeline.artifacts.replacing_dir``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -277,14 +282,19 @@ def train_tokenizer(
         unk_token=None,
         clean_up_tokenization_spaces=False,
     )
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        import shutil
+    with replacing_dir(Path(out_dir), OUTPUT_MARKER, TOKENIZER_DIR_FILES) as tmp:
+        hf.save_pretrained(str(tmp))
+        _write_hf_files(tmp, bos_token)
+        _mark(tmp, "tokenizer train")
+    return Path(out_dir)
 
-        shutil.rmtree(tmp)
-    hf.save_pretrained(str(tmp))
+
+def _mark(folder: Path, command: str) -> None:
+    (folder / OUTPUT_MARKER).write_text(json.dumps({"written_by": command}) + "\n")
+
+
+def _write_hf_files(tmp: Path, bos_token: str | None) -> None:
+    """The tokenizer_config and special_tokens_map every transformers version loads."""
     # transformers 5 writes its own class name ("TokenizersBackend"), which transformers 4 cannot
     # load; PreTrainedTokenizerFast loads in both, and clusters often pin an older transformers.
     cfg_path = tmp / "tokenizer_config.json"
@@ -298,12 +308,6 @@ def train_tokenizer(
         if bos_token:
             m["bos_token"] = bos_token
         stm.write_text(json.dumps(m, indent=2) + "\n", encoding="utf-8")
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
 
 
 def import_tokenizer(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
@@ -312,17 +316,21 @@ def import_tokenizer(path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     It must load with ``tokenizers`` and have an EOS token. ``tokenizer.json`` is copied byte for
     byte (so the fingerprint is the source's); ``tokenizer_config.json`` and
     ``special_tokens_map.json`` are copied when present, else written from what was detected.
-    Written atomically (temporary sibling directory, then rename).
+    Written atomically (temporary sibling directory, then swapped in), and only over a
+    folder this command wrote before.
     """
+    info = tokenizer_info(path)  # validates: loads, has an EOS
+    out = Path(out_dir)
+    with replacing_dir(out, OUTPUT_MARKER, TOKENIZER_DIR_FILES) as tmp:
+        _copy_tokenizer(info, Path(path), tmp)
+        _mark(tmp, "tokenizer import")
+    return out
+
+
+def _copy_tokenizer(info: TokenizerInfo, path: Path, tmp: Path) -> None:
     import shutil
 
-    info = tokenizer_info(path)  # validates: loads, has an EOS
     src_dir = info.path.parent
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     shutil.copyfile(info.path, tmp / "tokenizer.json")
     copied_cfg = False
     if Path(path).is_dir():
@@ -345,10 +353,6 @@ def import_tokenizer(path: str | os.PathLike[str], out_dir: str | os.PathLike[st
         (tmp / "special_tokens_map.json").write_text(
             json.dumps(m, indent=2) + "\n", encoding="utf-8"
         )
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
 
 
 def _print_summary(out: Path, **extra: object) -> None:

@@ -239,3 +239,34 @@ def test_import_a_local_tokenizer(tok_dir: Path, tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_tokenizer_output_replaces_only_its_own_folder(tmp_path):
+    """`tokenizer import --out results/data` must not delete the shards and manifest there; a
+    tokenizer folder this command wrote (or an old one holding only tokenizer files) is
+    replaced whole."""
+    from pipeline.tokenizer import import_tokenizer, train_tokenizer
+
+    tok_dir = train_tokenizer(["def f(x): return x"] * 50, 300, tmp_path / "tok")
+    data = tmp_path / "data"
+    (data / "shards").mkdir(parents=True)
+    (data / "manifest.json").write_text("{}")
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tok_dir),
+         "--out", str(data)],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "not written by this command" in r.stderr and "Traceback" not in r.stderr
+    assert (data / "manifest.json").read_text() == "{}" and (data / "shards").is_dir()
+    # twice into the same folder: the second run replaces the first
+    out = import_tokenizer(tok_dir, tmp_path / "copy")
+    (out / "tokenizer.json").write_text("stale")
+    import_tokenizer(tok_dir, out)
+    assert fingerprint(out) == fingerprint(tok_dir)
+    # a folder from before markers existed, with only tokenizer files, is still ours
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "tokenizer.json").write_text("old")
+    import_tokenizer(tok_dir, legacy)
+    assert fingerprint(legacy) == fingerprint(tok_dir)
