@@ -116,3 +116,12 @@ def test_replacing_dir_is_atomic_and_only_replaces_its_own(tmp_path: Path) -> No
     (tmp_path / "file").write_text("x")
     with pytest.raises(PipelineError), af.replacing_dir(tmp_path / "file", "mark.json"):
         pass
+
+
+def test_an_empty_folder_is_replaceable(tmp_path: Path) -> None:
+    # Snakemake creates an output's parent folder (hf/ for hf/config.json) before the job runs.
+    dest = tmp_path / "hf"
+    dest.mkdir()
+    with af.replacing_dir(dest, "mark.json") as tmp:
+        (tmp / "mark.json").write_text("{}")
+    assert (dest / "mark.json").is_file()
