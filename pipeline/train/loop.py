@@ -11,11 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-# Transitional re-exports for callers that imported these names from here (launch.py before its
-# switch to pipeline.artifacts); they are defined in pipeline.artifacts.
-from pipeline.artifacts import EXIT_REQUEUE, EXIT_USAGE  # noqa: F401
-from pipeline.artifacts import LOCK as LOCK_FILE  # noqa: F401
-from pipeline.artifacts import STOP as STOP_FILE  # noqa: F401
+from pipeline.artifacts import EXIT_USAGE
 from pipeline.errors import PipelineError
 
 

@@ -166,6 +166,7 @@ class Trainer:
         self.device = select_device(self.run, self.env)
         self.dist_backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.dims = parallel_dims(self.run)
+        self.mesh: Any = None  # the world DeviceMesh (fsdp; DeepSpeed builds its own groups)
         self.rec: Recorder | None = None
         self.lock: Any = None
         self.samples: Any = None
