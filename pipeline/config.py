@@ -12,21 +12,37 @@ The JSON schema that the Snakefile validates is generated from these classes
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.sources import expand_paths
 
-#: Run names become directory names and Slurm job names: keep them boring.
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Run names become directory names and Slurm job names: keep them boring. Matched with
+#: ``fullmatch`` (``$`` alone would let a trailing newline through).
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+#: Sane maxima. Beyond them a value is a typo or an attack, not an experiment: the planner, the
+#: tokenizer and the launcher allocate or iterate in proportion to these numbers.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 1024
+MAX_SEQ_LEN = 1 << 20
 
 # The value sets of the config's choices, defined once: the planner (pipeline.plan.spec), the
 # stage CLIs and the readers take them from here.
@@ -34,7 +50,7 @@ SourceFormat = Literal["auto", "txt", "jsonl", "parquet"]
 DocSplit = Literal["file", "blank-line"]
 OnInvalid = Literal["skip", "fail"]
 Device = Literal["auto", "cpu", "cuda"]
-Backend = Literal["fsdp", "deepspeed"]
+Backend = Literal["fsdp", "deepspeed", "ddp"]
 FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 StrategyMode = Literal["manual", "auto"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -42,21 +58,35 @@ Accounting = Literal["deepspeed", "paper"]
 AttnImplementation = Literal["eager", "sdpa"]
 
 
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("a path must not contain a NUL character")
+    return value
+
+
+#: A file-system path in a config: not empty, no NUL byte.
+PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
+#: An Adam beta: a decay rate in [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 class _Strict(BaseModel):
     # extra="forbid": an unknown key is an error, not silently ignored.
     # use_attribute_docstrings: the docstring under each field becomes its schema description.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    # allow_inf_nan=False: .inf / .nan / Infinity are refused in every float field.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True,
+                              allow_inf_nan=False)
 
 
 class SourceConfig(_Strict):
     """One input corpus: a path or glob of text files."""
 
-    path: str
+    path: PathStr
     """File, directory or glob. A leading ``<stdlib>`` expands to the Python standard library's
     source directory (the embedded default corpus, present on every machine)."""
     format: SourceFormat = "auto"
     """Input format; ``auto`` decides by file extension (``.gz``/``.zst`` are looked through)."""
-    text_field: str = "text"
+    text_field: str = Field("text", min_length=1)
     """JSONL field / Parquet column holding the document text."""
     doc_split: DocSplit = "file"
     """For txt: one document per file, or one per blank-line-separated block."""
@@ -65,11 +95,11 @@ class SourceConfig(_Strict):
 class TokenizerConfig(_Strict):
     """Which tokenizer to use: a local one, or a byte-level BPE trained by the pipeline."""
 
-    path: str | None = None
+    path: PathStr | None = None
     """A local HF tokenizer directory or ``tokenizer.json``. ``null`` trains a byte-level BPE."""
     vocab_size: int = Field(1024, ge=260, le=1_048_576)
     """Vocabulary size of the trained BPE (ignored when ``path`` is set)."""
-    train_max_bytes: int = Field(20_000_000, gt=0)
+    train_max_bytes: int = Field(20_000_000, gt=0, le=1 << 40)
     """At most this many bytes of the corpus are read to train the BPE."""
 
 
@@ -80,7 +110,7 @@ class DataConfig(_Strict):
     """The corpora; all are tokenized into one dataset."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer settings."""
-    seq_len: int = Field(128, ge=2)
+    seq_len: int = Field(128, ge=2, le=MAX_SEQ_LEN)
     """Tokens per packed training sequence."""
     shards: int = Field(2, ge=1, le=100_000)
     """Number of parallel tokenize jobs (and shard files)."""
@@ -123,23 +153,23 @@ class ModelConfig(_Strict):
     """Architecture numbers from a named preset (``llama2-7b``, ``llama3-8b``, ``mistral-7b``,
     ``tiny``, …; see ``python -m pipeline.plan --help``); keys set here override it. The
     vocabulary always comes from the tokenizer."""
-    init_from: str | None = None
+    init_from: PathStr | None = None
     """A local HF model directory to continue training from; ``null`` builds from scratch."""
-    hidden_size: int = Field(64, ge=8)
+    hidden_size: int = Field(64, ge=8, le=1 << 17)
     """Width of the residual stream."""
-    intermediate_size: int = Field(172, ge=8)
+    intermediate_size: int = Field(172, ge=8, le=1 << 20)
     """Width of the MLP."""
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(2, ge=1, le=4096)
     """Number of decoder layers."""
-    num_heads: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1, le=4096)
     """Attention heads."""
-    num_kv_heads: int | None = Field(None, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1, le=4096)
     """Key/value heads (grouped-query attention); ``null`` means equal to ``num_heads``."""
-    max_position_embeddings: int = Field(256, ge=2)
+    max_position_embeddings: int = Field(256, ge=2, le=1 << 24)
     """Longest sequence the rotary embedding is set up for."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output projection."""
-    rope_theta: float = Field(10000.0, gt=0)
+    rope_theta: float = Field(10000.0, gt=0, le=1e12)
     """Base of the rotary position embedding."""
     attn_implementation: AttnImplementation = "sdpa"
     """Attention kernel used in training (``eager`` makes logits comparisons exact)."""
@@ -165,6 +195,11 @@ class ModelConfig(_Strict):
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
                 f"model.num_heads ({self.num_heads})"
             )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"model.hidden_size / model.num_heads ({self.hidden_size} / {self.num_heads}) "
+                "must be even: the rotary embedding rotates pairs of each head's dimensions"
+            )
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(
@@ -176,15 +211,15 @@ class ModelConfig(_Strict):
 class ClusterConfig(_Strict):
     """Where training runs. Locally, 'GPUs' are CPU processes."""
 
-    nodes: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1, le=MAX_NODES)
     """Number of nodes (one ``torchrun`` per node)."""
-    gpus_per_node: int = Field(2, ge=1)
+    gpus_per_node: int = Field(2, ge=1, le=MAX_GPUS_PER_NODE)
     """Processes per node: GPUs on a GPU node, CPU processes on a CPU node."""
     device: Device = "auto"
     """``auto`` uses CUDA when available, else CPU with gloo."""
-    gpu_mem_gb: float = Field(80.0, gt=0)
+    gpu_mem_gb: float = Field(80.0, gt=0, le=100_000)
     """Memory of one GPU, for the memory plan."""
-    host_mem_gb: float = Field(256.0, gt=0)
+    host_mem_gb: float = Field(256.0, gt=0, le=1_000_000)
     """Host RAM of one node, for the memory plan (offload)."""
 
 
@@ -192,7 +227,8 @@ class TrainConfig(_Strict):
     """Optimization and checkpointing."""
 
     backend: Backend = "fsdp"
-    """Training engine: FSDP2 (``fully_shard``, DCP checkpoints) or DeepSpeed (ZeRO)."""
+    """Training engine: FSDP2 (``fully_shard``, DCP checkpoints), DeepSpeed (ZeRO), or ddp (torch
+    DistributedDataParallel: full replicas, native AMP, DCP checkpoints)."""
     zero_stage: int = Field(1, ge=0, le=3)
     """DeepSpeed ZeRO stage (``backend: deepspeed``)."""
     fsdp_sharding: FsdpSharding = "FULL_SHARD"
@@ -211,44 +247,50 @@ class TrainConfig(_Strict):
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (planned and rendered; the trainer runs pp = 1 only)."""
     precision: Precision = "fp32"
-    """Compute precision; bf16/fp16 keep fp32 master weights (fp16 with loss scaling, DeepSpeed
-    only)."""
+    """Compute precision; bf16/fp16 keep fp32 master weights (fp16 with loss scaling: DeepSpeed's,
+    or ``torch.amp.GradScaler`` with ``backend: ddp``, which runs bf16/fp16 as autocast)."""
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Extra DeepSpeed config keys merged over the rendered ``ds_config.json`` (checked against
     the installed DeepSpeed at render time)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1, le=1 << 20)
     """Sequences per process per forward/backward."""
-    grad_accum: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, le=1 << 20)
     """Micro batches accumulated per optimizer step."""
-    global_batch_size: int | None = Field(None, ge=1)
+    global_batch_size: int | None = Field(None, ge=1, le=1 << 30)
     """Sequences per optimizer step; if given it must equal micro × accumulation × data-parallel."""
-    max_steps: int = Field(200, ge=1)
+    max_steps: int = Field(200, ge=1, le=10**10)
     """Optimizer steps to train."""
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, le=1.0)
     """Peak learning rate."""
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0, le=10**10)
     """Linear warmup from 0 to ``lr``; then linear decay to 0 at ``max_steps``."""
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = Field(0.1, ge=0, le=10.0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    eps: float = Field(1e-8, gt=0)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    """AdamW betas, each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0, le=1.0)
     """AdamW epsilon."""
-    grad_clip: float = Field(1.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, le=1e6)
     """Clip the global gradient norm to this (0 disables)."""
     torch_adam: bool = True
     """DeepSpeed: use torch's AdamW instead of the JIT-compiled fused kernel."""
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1, le=10**10)
     """Save a checkpoint every this many optimizer steps (and at the end)."""
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints kept; older ones are deleted."""
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
     """Seed for weights init and the data order."""
     record_samples: bool = False
     """Write the sequence indices each rank consumed, per step, to ``samples-rankNNNNN.jsonl``
     (an audit of the data order across restarts)."""
+    loss_scale_init: float = Field(65536.0, gt=0)
+    """fp16 with ``backend: ddp``: the GradScaler's initial loss scale (halved on every step
+    whose gradients overflow, which is then skipped)."""
+    loss_scale_growth_interval: int = Field(2000, ge=1)
+    """fp16 with ``backend: ddp``: the loss scale doubles after this many steps without
+    overflow."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -263,10 +305,10 @@ class TrainConfig(_Strict):
             raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
         if self.offload_params and (self.backend != "deepspeed" or self.zero_stage != 3):
             raise ValueError("train.offload_params needs train.backend: deepspeed and zero_stage: 3")
-        if self.precision == "fp16" and self.backend != "deepspeed":
+        if self.precision == "fp16" and self.backend == "fsdp":
             raise ValueError(
-                "train.precision: fp16 needs DeepSpeed's loss scaling (backend: deepspeed); "
-                "use bf16 with fsdp"
+                "train.precision: fp16 needs loss scaling (backend: deepspeed, or ddp with a "
+                "GradScaler); use bf16 with fsdp"
             )
         if self.deepspeed and self.backend != "deepspeed":
             raise ValueError("train.deepspeed: extra DeepSpeed keys need train.backend: deepspeed")
@@ -333,7 +375,7 @@ class RunConfig(_Strict):
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
                 f"({self.model.max_position_embeddings})"
             )
-        if not RUN_NAME_RE.match(self.name):
+        if not RUN_NAME_RE.fullmatch(self.name):
             raise ValueError(
                 f"run name {self.name!r} must match {RUN_NAME_RE.pattern} (it becomes a "
                 "directory and a Slurm job name)"
@@ -354,8 +396,41 @@ class Config(_Strict):
     """Default training settings for every run."""
     plan: PlanConfig = PlanConfig()
     """Default memory-planner settings for every run."""
-    runs: dict[str, RunOverrides] = Field(default_factory=lambda: {"main": RunOverrides()})
-    """Run name → overrides of ``model``/``cluster``/``train`` for that run."""
+    runs: dict[str, RunOverrides] = Field(default_factory=lambda: {"main": RunOverrides()},
+                                          min_length=1)
+    """Run name → overrides of ``model``/``cluster``/``train`` for that run (``{}`` or an
+    empty entry: none). A config file that has ``runs:`` replaces the runs of the files merged
+    before it as a whole; every other section is deep-merged."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_runs_entries(cls, data: Any) -> Any:
+        # `runs: {small: }` (YAML null) is a run without overrides, as `small: {}` is.
+        if isinstance(data, dict) and isinstance(data.get("runs"), dict):
+            runs = {k: ({} if v is None else v) for k, v in data["runs"].items()}
+            return {**data, "runs": runs}
+        return data
+
+    @field_validator("runs")
+    @classmethod
+    def _check_run_names(cls, runs: dict[str, Any]) -> dict[str, Any]:
+        # A run name becomes results/runs/<name>/, a Slurm job name and a Snakemake wildcard
+        # value: no path separators, spaces, shell metacharacters or line breaks; and two names
+        # must not collide on a case-insensitive file system.
+        seen: dict[str, str] = {}
+        for name in runs:
+            if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name):
+                raise ValueError(
+                    f"run name {name!r} must match {RUN_NAME_RE.pattern} (letters, "
+                    "digits, '_', '.', '-'; it becomes a directory and a Slurm job name)"
+                )
+            if name.lower() in seen:
+                raise ValueError(
+                    f"run names {seen[name.lower()]!r} and {name!r} differ only in "
+                    "case (their directories collide on a case-insensitive file system)"
+                )
+            seen[name.lower()] = name
+        return runs
 
     def run_names(self) -> list[str]:
         return list(self.runs)
@@ -454,24 +529,207 @@ def _validate(cls: type[BaseModel], raw: Any, where: str = "") -> Any:
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
-    """Validate a config dict (e.g. Snakemake's ``config``), and every run's effective config."""
+    """Validate a config dict (e.g. Snakemake's ``config``), every run's effective config, and
+    the local paths it names (``model.init_from``, ``data.tokenizer.path``)."""
     if not isinstance(raw, dict):
         raise PipelineError("invalid config: the top level must be a mapping")
     cfg: Config = _validate(Config, raw)
     for name in cfg.runs:
         cfg.run(name)  # raises with the run's key path on impossible combinations
+    _check_paths(cfg)
     return cfg
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML config file."""
+def _check_paths(cfg: Config) -> None:
+    """A local input the config names must be there now, not when a job reaches it."""
+    problems: list[str] = []
+    tok = cfg.data.tokenizer.path
+    if tok is not None and not Path(tok).exists():
+        problems.append(f"  data.tokenizer.path: {tok!r} does not exist (a local HF tokenizer "
+                        "directory or tokenizer.json)")
+    for name, over in cfg.runs.items():
+        init = cfg.run(name).model.init_from
+        if init is None:
+            continue
+        key = f"runs.{name}.model.init_from" if "init_from" in (over.model or {}) \
+            else "model.init_from"
+        if not (Path(init) / "config.json").is_file():
+            what = "is not an HF model directory (no config.json)" if Path(init).is_dir() \
+                else "does not exist"
+            line = f"  {key}: {init!r} {what}"
+            if line not in problems:
+                problems.append(line)
+    if problems:
+        raise PipelineError("invalid config:\n" + "\n".join(problems))
+
+
+# -- reading and merging config files --------------------------------------------------------------
+#: The workflow's own default config. The Snakefile's ``configfile:`` reads it relative to the
+#: directory Snakemake runs in; ``config check`` reads it from the same place.
+DEFAULT_CONFIG = Path("config") / "config.yaml"
+_MAX_CONFIG_BYTES = 4 << 20
+_MAX_CONFIG_VALUES = 1_000_000
+
+
+def _refuse_duplicate_keys(root: yaml.Node, where: str) -> None:
+    """A key given twice in one mapping (YAML and JSON loaders keep the last one silently)."""
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    visited: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if id(node) in visited:  # an alias: checked where its anchor is
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
+            for k, v in node.value:
+                if k.tag == "tag:yaml.org,2002:merge":
+                    stack.append((v, path))
+                    continue
+                name = k.value if isinstance(k, yaml.ScalarNode) else "<complex key>"
+                key = f"{path}.{name}" if path else str(name)
+                line = k.start_mark.line + 1
+                if isinstance(k, yaml.ScalarNode):
+                    if (k.tag, k.value) in seen:
+                        raise PipelineError(
+                            f"config file {where}, line {line}: duplicate key {key} (first at "
+                            f"line {seen[(k.tag, k.value)]}); a YAML loader would silently keep "
+                            "only the last one: remove one of them or merge the two blocks"
+                        )
+                    seen[(k.tag, k.value)] = line
+                stack.append((v, key))
+
+
+def _refuse_huge(data: Any, where: str) -> None:
+    """Aliases expand: a few lines of YAML can stand for billions of values (or a cycle)."""
+    budget = _MAX_CONFIG_VALUES
+    stack = [data]
+    while stack:
+        obj = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise PipelineError(f"config file {where}: expands to more than "
+                                f"{_MAX_CONFIG_VALUES:,} values (recursive or nested YAML aliases?)")
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list):
+            stack.extend(obj)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _JsonDuplicate(key)
+        out[key] = value
+    return out
+
+
+class _JsonDuplicate(ValueError):
+    pass
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read one config file (JSON or YAML, as Snakemake reads ``--configfile``) strictly: a
+    duplicate key, a file that is not UTF-8 text, or one whose aliases expand past a million
+    values is an error naming the file (and the key and line)."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        if p.stat().st_size > _MAX_CONFIG_BYTES:
+            raise PipelineError(f"config file {p} is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise PipelineError(f"config file {p} does not exist") from None
+    except UnicodeDecodeError as err:
+        raise PipelineError(f"config file {p} is not UTF-8 text ({err.reason} at byte "
+                            f"{err.start})") from None
+    except OSError as err:
+        raise PipelineError(f"config file {p} cannot be read: {err.strerror or err}") from None
+    if "\x00" in text:
+        raise PipelineError(f"config file {p} holds a NUL byte (not a text file)")
+    try:  # JSON first, as Snakemake's loader does (`1e9` is a number in JSON, a string in YAML)
+        data = json.loads(text, object_pairs_hook=_json_pairs)
+    except _JsonDuplicate as dup:
+        _load_yaml_text(text, p)  # reports the duplicate with its line
+        raise PipelineError(f"config file {p}: duplicate key {dup} (a JSON loader keeps only "
+                            "the last one)") from None
+    except ValueError:
+        data = _load_yaml_text(text, p)
+    _refuse_huge(data, str(p))
+    return data
+
+
+def _load_yaml_text(text: str, p: Path) -> Any:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, str(p))
+        data = loader.construct_document(node)
     except yaml.YAMLError as err:
         raise PipelineError(f"config file {p} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise PipelineError(f"config file {p}: nested too deeply") from None
+    finally:
+        loader.dispose()
+    if isinstance(data, dict) and data.get("__use_yte__"):
+        # Snakemake renders YTE templates in config files that ask for it; so do we.
+        try:
+            import yte
+
+            data = yte.process_yaml(text, require_use_yte=True)
+        except ImportError:
+            raise PipelineError(f"config file {p} uses YTE templating (__use_yte__) but yte "
+                                "is not installed") from None
+        except Exception as err:  # a template error is the user's to fix
+            raise PipelineError(f"config file {p}: YTE template error: {err}") from None
+    return data
+
+
+def merge_config(base: dict[str, Any], override: Any, *, where: str = "") -> dict[str, Any]:
+    """``override`` (one config file, or ``--config`` values) merged over ``base``, as the
+    workflow merges config files: every section is deep-merged, except ``runs``, which an
+    override that has it replaces as a whole (a user's batch of runs never inherits the
+    default's ``fsdp`` and ``deepspeed`` runs). Lists (``data.sources``) are replaced."""
+    if override is None:  # an empty file
+        return copy.deepcopy(base)
+    if not isinstance(override, dict):
+        raise PipelineError(f"invalid config{' file ' + where if where else ''}: the top level "
+                            f"must be a mapping (got {type(override).__name__})")
+    if "runs" in override:
+        base = {k: v for k, v in base.items() if k != "runs"}
+    return deep_merge(base, override)
+
+
+def config_files(user_files: list[str | Path], *, replace_default: bool = False,
+                 default: Path = DEFAULT_CONFIG) -> list[Path]:
+    """The files a workflow start reads, in merge order: the default (when present in the
+    working directory, as Snakemake's ``configfile:`` reads it, and unless replaced), then each
+    ``--configfile``."""
+    files = [] if replace_default or not default.exists() else [default]
+    return files + [Path(f) for f in user_files]
+
+
+def workflow_config_raw(user_files: list[str | Path], overrides: dict[str, Any] | None = None,
+                        *, replace_default: bool = False) -> dict[str, Any]:
+    """The raw config a workflow start validates: :func:`config_files` read strictly
+    (:func:`load_yaml`) and merged in order (:func:`merge_config`), then ``--config`` values."""
+    raw: dict[str, Any] = {}
+    for f in config_files(user_files, replace_default=replace_default):
+        raw = merge_config(raw, load_yaml(f), where=str(f))
+    if overrides:
+        raw = merge_config(raw, dict(overrides), where="--config")
+    return raw
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate one config file (strictly: :func:`load_yaml`)."""
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+        raise PipelineError(f"invalid config file {path}: the top level must be a mapping")
     return parse_config(raw)
 
 
@@ -541,17 +799,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("schema", help="print the JSON schema generated from the config classes")
-    check = sub.add_parser("check", help="validate a config file and print each run's config")
-    check.add_argument("config", type=Path)
+    check = sub.add_parser(
+        "check",
+        help="run the checks of a workflow start and print each run's config",
+        description="Run exactly the checks a workflow start runs on `snakemake --configfile "
+        "FILE...` in this directory: config/config.yaml (when present here) merged with each "
+        "FILE in order (a file's runs: replaces the runs before it), the typed parse, the "
+        "expansion of data.sources and every run's pre-flight. Writes nothing.",
+    )
+    check.add_argument("config", type=Path, nargs="+", help="config files, as --configfile")
+    check.add_argument("--replace-workflow-config", action="store_true",
+                       help=f"do not read {DEFAULT_CONFIG} first (as Snakemake's option)")
     args = parser.parse_args(argv)
     if args.cmd == "schema":
         print(json.dumps(json_schema(), indent=2, sort_keys=True))
         return 0
     try:
-        cfg = load_config(args.config)
+        files = config_files(args.config, replace_default=args.replace_workflow_config)
+        cfg = parse_config(workflow_config_raw(
+            args.config, replace_default=args.replace_workflow_config))
+        from pipeline.preflight_cache import startup_checks
+
+        sources = startup_checks(cfg, cache_dir=None)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(f"config: {' + '.join(map(str, files))}; runs: {', '.join(cfg.run_names())}; "
+          f"{len(sources)} source file(s); pre-flight passed", file=sys.stderr)
     for name in cfg.run_names():
         print(json.dumps(cfg.run(name).model_dump(mode="json"), indent=2))
     return 0

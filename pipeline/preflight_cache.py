@@ -114,13 +114,31 @@ def preflight_runs(cfg: Any, *, names: Iterable[str] | None = None,
             if _still_valid(marker):
                 verdicts[name] = "cached"
                 continue
+        from pipeline.errors import PipelineError
         from pipeline.render import render_run  # the planner (and DeepSpeed) only on a miss
 
-        render_run(run, vocab_size=vocab_size)
+        try:
+            render_run(run, vocab_size=vocab_size)
+        except PipelineError as err:  # name the run: a batch config has many
+            raise PipelineError(f"run {name!r} (runs.{name}): {err}") from None
         verdicts[name] = "checked"
         if marker is not None:
             _record(marker, name)
     return verdicts
+
+
+def startup_checks(cfg: Any, *, preflight: bool = True,
+                   cache_dir: Path | None = CACHE_DIR) -> list[Path]:
+    """Everything a workflow start checks after the typed parse, in one place for the
+    Snakefile (``workflow/rules/common.smk``) and ``python -m pipeline.config check``: the
+    expansion of ``data.sources`` (a source matching no file is an error) and, with
+    ``preflight``, every run's pre-flight (:func:`preflight_runs`). Returns the source files."""
+    from pipeline.config import expand_sources
+
+    files = expand_sources(cfg.data.sources)
+    if preflight:
+        preflight_runs(cfg, cache_dir=cache_dir)
+    return files
 
 
 def _record(marker: Path, name: str) -> None:

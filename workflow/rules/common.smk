@@ -1,33 +1,47 @@
 # Shared helpers: the validated config, run names, paths, and the python that runs stages.
 import json
 import os
+import re
 import sys
 
-from pipeline.config import expand_sources, parse_config
+from pipeline.config import parse_config, workflow_config_raw
+from pipeline.preflight_cache import startup_checks
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
 # (the project's venv) even when the venv is not activated; Slurm jobs inherit this PATH.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# The config is read again here, from the same files Snakemake read (config/config.yaml unless
+# --replace-workflow-config, each --configfile in order, then --config values), with the
+# project's merge and loader instead of Snakemake's: a file's `runs:` replaces the runs before
+# it (Snakemake's deep merge could never drop the default runs), and a duplicate YAML key is an
+# error naming the key and line (Snakemake's loader keeps the last one silently).
+# `python -m pipeline.config check FILE...` runs exactly this (workflow_config_raw,
+# parse_config, startup_checks). Snakemake's own `config` is set to the result.
+_settings = workflow.config_settings
+_raw = workflow_config_raw(
+    [str(f) for f in _settings.configfiles],
+    dict(_settings.config),
+    replace_default=bool(getattr(_settings, "replace_workflow_config", False)),
+)
+config.clear()
+config.update(_raw)
 CFG = parse_config(config)
 RUNS = CFG.run_names()
 DATA = "results/data"
 SHARDS = [f"{i:05d}" for i in range(CFG.data.shards)]
-SOURCE_FILES = expand_sources(CFG.data.sources)
-# Pre-flight of every run (batch arithmetic, divisibility, memory plan, DeepSpeed keys) before
+# Source expansion (a source matching no file is an error) in every process; the pre-flight of
+# every run (batch arithmetic, divisibility, memory plan, DeepSpeed keys) before
 # any job is queued, in the main Snakemake process only: every cluster job of the executor
 # plugin (and every `run:` subprocess) parses this file again, and the main process has already
 # checked the same config. A pass is cached under .snakemake/zerosnake/preflight/, keyed by the
 # run's effective config, the pipeline's source and the DeepSpeed/torch versions, so a restart
 # with nothing changed imports neither the planner nor DeepSpeed (pipeline/preflight_cache.py).
 # The render rule repeats the check with the tokenizer's real vocabulary size.
-if workflow.is_main_process:
-    from pipeline.preflight_cache import preflight_runs
-
-    preflight_runs(CFG)
+SOURCE_FILES = startup_checks(CFG, preflight=workflow.is_main_process)
 
 
 wildcard_constraints:
-    run="|".join(RUNS),
+    run="|".join(re.escape(r) for r in RUNS),
     shard=r"\d{5}",
 
 
