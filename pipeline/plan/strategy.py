@@ -165,9 +165,13 @@ def _tp_candidates(model: ModelShape, cluster: Cluster) -> list[int]:
 
 
 def _pp_candidates(model: ModelShape, cluster: Cluster) -> list[int]:
-    # PP across nodes: whole nodes per stage, stages dividing the layers.
-    return [p for p in range(2, cluster.nodes + 1)
-            if cluster.nodes % p == 0 and model.num_layers % p == 0]
+    # PP across nodes: whole nodes per stage, stages dividing the layers: the divisors ≥ 2 of
+    # gcd(nodes, layers), found by iterating up to the layer count, never the node count
+    # (cluster.nodes: 1e9 must not hang the planner).
+    from math import gcd
+
+    g = gcd(cluster.nodes, model.num_layers)
+    return [p for p in range(2, g + 1) if g % p == 0]
 
 
 def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed", *,
