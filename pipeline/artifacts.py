@@ -263,9 +263,48 @@ def write_job(run_dir: Path, rec: dict[str, Any]) -> None:
 
 
 def read_data_manifest(data_dir: Path) -> dict[str, Any]:
-    """The tokenized data's ``manifest.json`` (gather writes it)."""
-    return read_artifact(data_dir / DATA_MANIFEST, "data manifest",
-                         hint="run the tokenize stage first")
+    """The tokenized data's ``manifest.json`` (gather writes it), checked to hold every key
+    the stages read (:func:`check_data_manifest`)."""
+    path = data_dir / DATA_MANIFEST
+    manifest = read_artifact(path, "data manifest", hint="run the tokenize stage first")
+    check_data_manifest(manifest, path)
+    return manifest
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def check_data_manifest(m: dict[str, Any], path: Path) -> None:
+    """Raise naming the first missing or mistyped key of a data manifest (docs/ARCHITECTURE.md):
+    a manifest cut short or edited by hand is an error, not a KeyError deep inside a stage."""
+    def need(ok: bool, key: str) -> None:
+        if not ok:
+            raise PipelineError(f"{path}: the data manifest has no valid {key!r}: it is "
+                                "incomplete or was edited; rerun the gather step "
+                                "(python -m pipeline.tokenize gather)")
+
+    need(_int(m.get("seq_len")) and m["seq_len"] >= 2, "seq_len")
+    tok = m.get("tokenizer")
+    need(isinstance(tok, dict), "tokenizer")
+    need(isinstance(tok.get("path"), str), "tokenizer.path")
+    need(_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size")
+    for key in ("eos_id", "bos_id"):
+        v = tok.get(key)
+        ok = (_int(v) and v < tok["vocab_size"]) or (key == "bos_id" and v is None)
+        need(ok, f"tokenizer.{key}")
+    splits = m.get("splits")
+    need(isinstance(splits, dict), "splits")
+    for split in ("train", "validation"):
+        entry = splits.get(split)
+        need(isinstance(entry, dict) and isinstance(entry.get("shards"), list), f"splits.{split}")
+        for k, shard in enumerate(entry["shards"]):
+            where = f"splits.{split}.shards[{k}]"
+            need(isinstance(shard, dict), where)
+            need(isinstance(shard.get("path"), str), f"{where}.path")
+            need(isinstance(shard.get("sha256"), str), f"{where}.sha256")
+            need(_int(shard.get("bytes")), f"{where}.bytes")
+            need(_int(shard.get("sequences")), f"{where}.sequences")
 
 
 def read_run_config_json(run_dir: Path) -> dict[str, Any]:

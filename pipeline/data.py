@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from pipeline import artifacts as af
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
 
@@ -54,16 +54,22 @@ class _Shard:
             table = pa.ipc.open_stream(self._mmap).read_all()
         except (pa.ArrowInvalid, OSError) as e:
             raise PipelineError(f"shard {path} is not a readable Arrow stream ({e})") from e
-        col = table.column("input_ids")
         self.blocks: list[np.ndarray] = []
-        for chunk in col.chunks:
-            # values of a fixed_size_list: one contiguous int32 buffer, viewed (no copy).
-            vals = chunk.values.to_numpy(zero_copy_only=True)
-            self.blocks.append(
-                vals[chunk.offset * seq_len : (chunk.offset + len(chunk)) * seq_len].reshape(
-                    -1, seq_len
+        try:
+            col = table.column("input_ids")
+            for chunk in col.chunks:
+                # values of a fixed_size_list: one contiguous int32 buffer, viewed (no copy).
+                vals = chunk.values.to_numpy(zero_copy_only=True)
+                self.blocks.append(
+                    vals[chunk.offset * seq_len : (chunk.offset + len(chunk)) * seq_len].reshape(
+                        -1, seq_len
+                    )
                 )
-            )
+        except (KeyError, ValueError, AttributeError, pa.ArrowException) as e:
+            raise PipelineError(
+                f"shard {path} does not hold input_ids rows of {seq_len} tokens ({e}): rerun "
+                "the tokenize stage for it"
+            ) from e
         self.starts = np.cumsum([0] + [len(b) for b in self.blocks])
         if self.starts[-1] != entry["sequences"]:
             raise PipelineError(
@@ -83,14 +89,13 @@ class PackedDataset:
         self, data_dir: str | os.PathLike[str], split: str = "train", verify: bool = True
     ) -> None:
         self.data_dir = Path(data_dir)
-        mp = self.data_dir / "manifest.json"
+        mp = self.data_dir / af.DATA_MANIFEST
         if not mp.is_file():
             raise PipelineError(f"{mp} does not exist: run the tokenize stage (gather) first")
-        try:
-            self.manifest: dict = json.loads(mp.read_text())
-        except json.JSONDecodeError as e:
-            raise PipelineError(f"{mp} is not valid JSON ({e}): rerun the gather step") from e
-        if split not in self.manifest.get("splits", {}):
+        # Read and checked to hold every key used here (a manifest cut short or edited by
+        # hand is an error naming the key, not a KeyError).
+        self.manifest: dict = af.read_data_manifest(self.data_dir)
+        if split not in self.manifest["splits"]:
             raise PipelineError(
                 f"{mp} has no split {split!r} (has: {', '.join(self.manifest['splits'])})"
             )
@@ -98,6 +103,8 @@ class PackedDataset:
         self.verify = verify
         self.seq_len: int = int(self.manifest["seq_len"])
         self.entries: list[dict] = self.manifest["splits"][split]["shards"]
+        # Shard paths are data read from a file: they stay inside the data directory.
+        self.paths = [af.inside(self.data_dir, e["path"]) for e in self.entries]
         self.offsets = np.cumsum([0] + [int(e["sequences"]) for e in self.entries])
         self._shards: dict[int, _Shard] = {}
         # Row address table, filled as shards open: global row -> (block, row in block), so a
@@ -122,7 +129,7 @@ class PackedDataset:
         s = self._shards.get(k)
         if s is None:
             e = self.entries[k]
-            s = _Shard(self.data_dir / e["path"], e, self.seq_len, self.verify)
+            s = _Shard(self.paths[k], e, self.seq_len, self.verify)
             base = int(self.offsets[k])
             for b, blk in enumerate(s.blocks):
                 lo = base + int(s.starts[b])

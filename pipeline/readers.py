@@ -26,7 +26,7 @@ from typing import BinaryIO, get_args
 from pipeline import sources
 from pipeline.config import OnInvalid, SourceConfig, mirror_argument
 from pipeline.errors import PipelineError
-from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan
+from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan, reading
 
 
 def _line_number(src: Source, offset: int) -> int:
@@ -64,6 +64,20 @@ class DocReader:
         self.spec = spec
         self.on_invalid = on_invalid
         self.skipped: dict[str, int] = {}
+        #: The first skipped document of each reason: where it is (for "nothing usable" errors).
+        self.examples: dict[str, str] = {}
+        self._where = ""  # the file being read
+
+    def _count(self, reason: str, where: str | None = None) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.examples.setdefault(reason, where or self._where)
+
+    def describe_skipped(self) -> str:
+        """``{'invalid_utf8': 2} (e.g. invalid_utf8: /data/x.bin)``, or ``none``."""
+        if not self.skipped:
+            return "none"
+        eg = "; ".join(f"{k}: {v}" for k, v in self.examples.items() if v)
+        return f"{self.skipped}" + (f" (e.g. {eg})" if eg else "")
 
     def _skip(self, reason: str, default_skip: bool, message: str) -> None:
         if self.on_invalid == "fail" or (self.on_invalid is None and not default_skip):
@@ -73,7 +87,7 @@ class DocReader:
                 else ""
             )
             raise PipelineError(message + hint)
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self._count(reason, message.split(": ", 1)[0])
 
     def _decode(self, data: bytes, where: str) -> str | None:
         try:
@@ -87,7 +101,7 @@ class DocReader:
             )
             return None
         if not text.strip():
-            self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+            self._count("empty", where)
             return None
         return text
 
@@ -104,22 +118,25 @@ class DocReader:
             )
             return None
         if not nonblank:
-            self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+            self._count("empty", doc.path)
             return None
         return digest
 
     def read(self, tasks: Sequence[Task]) -> Iterator[str | BigDoc]:
-        """All documents of ``tasks`` in order."""
+        """All documents of ``tasks`` in order; a file that cannot be read (corrupt, truncated,
+        unreadable) is a :class:`PipelineError` naming it."""
         for t in tasks:
             s = t.source
-            if s.fmt == "parquet":
-                yield from self._parquet(t)
-            elif s.fmt == "jsonl":
-                yield from self._jsonl(t)
-            elif self.spec.doc_split == "blank-line":
-                yield from self._blocks(t)
-            else:
-                yield from self._whole(t)
+            self._where = s.path
+            with reading(s.path):
+                if s.fmt == "parquet":
+                    yield from self._parquet(t)
+                elif s.fmt == "jsonl":
+                    yield from self._jsonl(t)
+                elif self.spec.doc_split == "blank-line":
+                    yield from self._blocks(t)
+                else:
+                    yield from self._whole(t)
 
     # -- txt, one document per file ----------------------------------------------------------
     def _whole(self, t: Task) -> Iterator[str | BigDoc]:
@@ -179,7 +196,7 @@ class DocReader:
                 count += 1
                 yield from self._block(s, start, end, parts, big)
         if count == 0 and t.lo == 0 and t.hi >= s.bytes:
-            self.skipped["empty"] = self.skipped.get("empty", 0) + 1  # a file with no text
+            self._count("empty", s.path)  # a file with no text
 
     def _block(
         self, s: Source, start: int, end: int, parts: list[bytes], big: bool
@@ -245,7 +262,7 @@ class DocReader:
                     continue
                 val = obj[field_]
                 if val is None or (isinstance(val, str) and not val.strip()):
-                    self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+                    self._count("empty", s.path)
                     continue
                 if not isinstance(val, str):
                     self._skip(
@@ -279,7 +296,7 @@ class DocReader:
             binary = pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)
             for v in arr.to_pylist():
                 if v is None:
-                    self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+                    self._count("empty", s.path)
                     continue
                 if binary:
                     v = self._decode(v, f"{s.path} (column {col!r})")
@@ -290,7 +307,7 @@ class DocReader:
                         f"{s.path}: column {col!r} holds {arr.type}, not text; name a string column with --text-field"
                     )
                 elif not v.strip():
-                    self.skipped["empty"] = self.skipped.get("empty", 0) + 1
+                    self._count("empty", s.path)
                     continue
                 yield v
 
@@ -318,9 +335,11 @@ def iter_texts(
     max_bytes: int | None = None,
     skipped: dict[str, int] | None = None,
     on_invalid: str | None = None,
+    examples: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Every document of ``spec`` as text (big documents as pieces), at most ``max_bytes``
-    bytes in all; used to train tokenizers. Skip counts are accumulated into ``skipped``."""
+    bytes in all; used to train tokenizers. Skip counts are accumulated into ``skipped``, the
+    first skipped document of each reason into ``examples``."""
     reader = DocReader(spec, on_invalid=on_invalid)
     budget = max_bytes
     try:
@@ -339,6 +358,9 @@ def iter_texts(
         if skipped is not None:
             for k, v in reader.skipped.items():
                 skipped[k] = skipped.get(k, 0) + v
+        if examples is not None:
+            for k, v in reader.examples.items():
+                examples.setdefault(k, v)
 
 
 def add_reader_arguments(ap: argparse.ArgumentParser) -> None:

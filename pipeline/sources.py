@@ -23,6 +23,7 @@ Parquet value or text line is held in memory whole. Reading the documents of eac
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import gzip
 import io
@@ -171,6 +172,51 @@ class SourceSpec:
 # ---------------------------------------------------------------------------------------------
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a corrupt, truncated or unreadable input raises: OS errors, a gzip stream
+    cut short, zstd and Arrow/Parquet decoding errors (imported only when one is caught)."""
+    import zlib
+
+    errs: list[type[BaseException]] = [OSError, EOFError, zlib.error]
+    try:
+        import zstandard
+
+        errs.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover - zstandard is a dependency
+        pass
+    try:
+        import pyarrow
+
+        errs.append(pyarrow.ArrowException)
+    except ImportError:  # pragma: no cover - pyarrow is a dependency
+        pass
+    return tuple(errs)
+
+
+def unreadable(path: str, err: BaseException) -> PipelineError | None:
+    """The user-facing error for ``err`` raised while reading input ``path``, or None when
+    ``err`` is not a read error (a bug, or already a :class:`PipelineError`)."""
+    if isinstance(err, PipelineError) or not isinstance(err, _read_errors()):
+        return None
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return PipelineError(
+        f"input {path} cannot be read ({what}): the file is corrupt, truncated, not in the "
+        "format its name says, or not readable; fix or replace it, or leave it out of --input"
+    )
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Turn a read error inside the block into a :class:`PipelineError` naming ``path``."""
+    try:
+        yield
+    except Exception as err:
+        mapped = unreadable(path, err)
+        if mapped is None:
+            raise
+        raise mapped from err
+
+
 def open_binary(path: str, compression: str | None) -> BinaryIO:
     """A buffered binary reader of the (decompressed) content."""
     if compression == "gz":
@@ -206,7 +252,11 @@ class BigDoc:
     end: int | None  # None: to the end of the file
 
     def chunks(self, size: int = READ_CHUNK) -> Iterator[bytes]:
-        """The raw bytes of the document, in chunks."""
+        """The raw bytes of the document, in chunks (a read error names the file)."""
+        with reading(self.path):
+            yield from self._chunks(size)
+
+    def _chunks(self, size: int) -> Iterator[bytes]:
         with open_binary(self.path, self.compression) as f:
             if self.compression is None:
                 f.seek(self.start)
@@ -333,9 +383,9 @@ def plan(sources: Sequence[Source], shards: int, shard: int) -> list[Task]:
         elif s.fmt == "parquet" and s.bytes > 0:
             if s_hi <= lo or s_lo >= hi:
                 continue
-            groups = tuple(
-                g for g, off in enumerate(_row_group_offsets(s.path)) if lo <= s_lo + off < hi
-            )
+            with reading(s.path):
+                offsets = _row_group_offsets(s.path)
+            groups = tuple(g for g, off in enumerate(offsets) if lo <= s_lo + off < hi)
             if groups:
                 tasks.append(Task(s, row_groups=groups))
         elif lo <= s_lo < hi:

@@ -93,6 +93,8 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
         obj = json.loads(tj.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PipelineError(f"{tj} is not valid JSON ({e}); re-save the tokenizer") from e
+    except OSError as e:
+        raise PipelineError(f"tokenizer {tj} cannot be read ({e}); check its permissions") from e
     canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
@@ -143,8 +145,12 @@ def tokenizer_info(path: str | os.PathLike[str], *, bos: bool = False) -> Tokeni
     if cfg_path.is_file():
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, OSError) as e:
             raise PipelineError(f"{cfg_path} is not valid JSON ({e}); re-save the tokenizer") from e
+        if not isinstance(cfg, dict):
+            raise PipelineError(
+                f"{cfg_path} is a JSON {type(cfg).__name__}, not an object: re-save the tokenizer"
+            )
     vocab = tok.get_vocab(with_added_tokens=True)
 
     def pick(key: str, candidates: Sequence[str]) -> str | None:
@@ -370,16 +376,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     spec = SourceSpec.from_args(
         args.input, fmt=args.format, text_field=args.text_field, doc_split=args.doc_split
     )
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise PipelineError(f"--max-bytes {args.max_bytes} must be at least 1")
+    if args.min_frequency < 0:
+        raise PipelineError(f"--min-frequency {args.min_frequency} must be at least 0")
+    for tok in [*(args.special_token or ()), *([args.bos_token] if args.bos_token is not None else [])]:
+        if not tok.strip():
+            raise PipelineError(f"special token {tok!r} is empty: name a token such as <|bos|>")
     skipped: dict[str, int] = {}
-    texts = iter_texts(spec, max_bytes=args.max_bytes, skipped=skipped)
-    out = train_tokenizer(
-        texts,
-        args.vocab_size,
-        args.out,
-        special_tokens=args.special_token or (),
-        bos_token=args.bos_token,
-        min_frequency=args.min_frequency,
-    )
+    examples: dict[str, str] = {}
+    texts = iter_texts(spec, max_bytes=args.max_bytes, skipped=skipped, examples=examples)
+    try:
+        out = train_tokenizer(
+            texts,
+            args.vocab_size,
+            args.out,
+            special_tokens=args.special_token or (),
+            bos_token=args.bos_token,
+            min_frequency=args.min_frequency,
+        )
+    except PipelineError as err:
+        if examples and str(err).startswith("no usable documents"):
+            eg = "; ".join(f"{k}: {v}" for k, v in examples.items())
+            raise PipelineError(f"{err}; skipped {skipped} (e.g. {eg})") from None
+        raise
     _print_summary(out, skipped=skipped)
     return 0
 
@@ -425,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "import":
             _print_summary(import_tokenizer(args.path, args.out))
             return 0
+        load_tokenizer(args.path)  # a tokenizer, not any JSON file
         print(fingerprint(args.path))
         return 0
     except PipelineError as e:

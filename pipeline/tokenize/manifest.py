@@ -10,6 +10,7 @@ import os
 import warnings
 from pathlib import Path
 
+from pipeline.artifacts import inside, read_artifact
 from pipeline.errors import PipelineError
 from pipeline.tokenize.shard import FORMAT, SPLITS, shard_name, stats_path
 from pipeline.tokenizer import tokenizer_info
@@ -86,7 +87,7 @@ def _load_stats(out: Path, shards: int) -> list[dict]:
             f"shard(s) {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''} of "
             f"{shards} are not complete in {out / 'shards'} (no stats file): run those shard jobs first"
         )
-    stats = [json.loads(stats_path(out, i).read_text()) for i in range(shards)]
+    stats = [_read_stats(out, i) for i in range(shards)]
     opts = stats[0]["options"]
     for st in stats[1:]:
         if st["options"] != opts or st["sources"] != stats[0]["sources"]:
@@ -99,12 +100,42 @@ def _load_stats(out: Path, shards: int) -> list[dict]:
     return stats
 
 
+def _read_stats(out: Path, i: int) -> dict:
+    """Shard ``i``'s stats file, checked to have what gather reads (a stats file cut short or
+    edited is an error naming it and the shard to rerun)."""
+    sp = stats_path(out, i)
+    redo = f"delete it and rerun shard job {i} (python -m pipeline.tokenize shard ... --shard {i})"
+    st = read_artifact(sp, "shard stats file", hint=redo)
+    try:
+        ok = (
+            isinstance(st["options"], dict)
+            and all(k in st["options"] for k in ("seq_len", "shards", "tokenizer_fingerprint",
+                                                   "val_fraction", "bos"))
+            and isinstance(st["sources"], list)
+            and isinstance(st["skipped"], dict)
+            and all(isinstance(v, int) for v in st["skipped"].values())
+            and isinstance(st["encoder"], str)
+            and st["shard"] == i
+            and all(
+                isinstance(st["splits"][s]["path"], str)
+                and isinstance(st["splits"][s]["sha256"], str)
+                and all(type(st["splits"][s][k]) is int for k in ("bytes", *_KEYS))
+                for s in SPLITS
+            )
+        )
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise PipelineError(f"{sp}: the shard stats file is incomplete or malformed; {redo}")
+    return st
+
+
 def _split(out: Path, stats: list[dict], split: str) -> dict:
     """One split's manifest entry: its totals and each shard's file (checked to be there)."""
     entries = []
     for st in stats:
         e = st["splits"][split]
-        p = out / e["path"]
+        p = inside(out, e["path"])
         if not p.is_file() or p.stat().st_size != e["bytes"]:
             raise PipelineError(
                 f"{p} is missing or has the wrong size ({e['bytes']} bytes expected): rerun "

@@ -19,6 +19,7 @@ the split never overlaps training and does not change with the number of shards.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -35,6 +36,7 @@ from typing import BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from pipeline.artifacts import inside
 from pipeline.config import DataConfig, field_default
 from pipeline.encoders import HFEncoder, TiktokenEncoder, verify_encoder
 from pipeline.errors import PipelineError
@@ -73,6 +75,37 @@ def schema(seq_len: int) -> pa.Schema:
             pa.field("doc_starts", pa.list_(pa.int32()), nullable=False),
         ]
     )
+
+
+#: What a data directory holds (tokenize writes shards/ and manifest.json; the tokenizer
+#: command writes tokenizer/); dotfiles and manifest.json's temporary files besides.
+DATA_DIR_NAMES = ("manifest.json", "tokenizer", "shards")
+
+
+def check_data_out(out: Path) -> None:
+    """Refuse an ``--out`` that is not a data directory: a file, or a folder holding anything
+    but tokenize's outputs (``.``, a run directory, ``/``), so that shards never litter or
+    overwrite a folder the stage did not make. Absent and empty folders are fine."""
+    if not out.exists():
+        if out.is_symlink():
+            raise PipelineError(f"--out {out} is a dangling symbolic link: choose another folder")
+        return
+    if not out.is_dir():
+        raise PipelineError(f"--out {out} is not a folder: name a data directory (e.g. results/data)")
+    foreign = sorted(
+        p.name for p in out.iterdir()
+        if p.name not in DATA_DIR_NAMES and not p.name.startswith((".", "manifest.json"))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise PipelineError(
+            f"--out {out} is not a data directory (it holds {shown}): the shards go into a "
+            "folder that holds only tokenize's outputs (manifest.json, shards/, tokenizer/); "
+            "nothing was written; choose a new or empty folder"
+        )
+    shards = out / "shards"
+    if (shards.exists() or shards.is_symlink()) and not shards.is_dir():
+        raise PipelineError(f"{shards} is not a folder: remove it or choose another --out")
 
 
 def _open_sink(path: Path) -> BinaryIO:
@@ -231,19 +264,19 @@ def _complete(out: Path, shard: int, options: dict, sources: list[dict]) -> dict
         return None
     try:
         stats = json.loads(sp.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if stats.get("options") != options or stats.get("sources") != sources:
-        return None
-    for split in SPLITS:
-        entry = stats.get("splits", {}).get(split, {})
-        p = out / entry.get("path", "/nonexistent")
-        if (
-            not p.is_file()
-            or p.stat().st_size != entry.get("bytes")
-            or sha256_file(p) != entry.get("sha256")
-        ):
+        if stats.get("options") != options or stats.get("sources") != sources:
             return None
+        for split in SPLITS:
+            entry = stats["splits"][split]
+            p = inside(out, entry["path"])  # a path read from a file stays in the data dir
+            if (
+                not p.is_file()
+                or p.stat().st_size != entry["bytes"]
+                or sha256_file(p) != entry["sha256"]
+            ):
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # unreadable or malformed (PipelineError included): redo the shard
     return stats
 
 
@@ -268,11 +301,14 @@ def tokenize_shard(
     same inputs and options and its files match their checksums.
     """
     _check_args(seq_len, shards, shard, val_fraction)
+    if num_threads is not None and num_threads < 1:
+        raise PipelineError(f"--threads {num_threads} must be at least 1")
     info = tokenizer_info(tokenizer, bos=bos)
     sources = spec.resolve()
+    out = Path(out)
+    check_data_out(out)
     src_list = [{"path": s.path, "bytes": s.bytes} for s in sources]
     options = _options(spec, seq_len, shards, info.fingerprint, val_fraction, bos, on_invalid)
-    out = Path(out)
     done = _complete(out, shard, options, src_list)
     if done is not None:
         print(f"{shard_name(shard)}: already complete, checksums match; skipping", file=sys.stderr)
@@ -282,20 +318,28 @@ def tokenize_shard(
     tasks = plan(sources, shards, shard)
     reader = DocReader(spec, on_invalid=on_invalid)
     t0 = time.perf_counter()
-    split_stats, encoder_name = _write_splits(
-        reader, tasks, info, out, shard, seq_len, val_fraction,
-        fast=fast, num_threads=num_threads, progress=progress,
-    )
+    made = [d for d in (out, out / "shards", *(out / "shards" / s for s in SPLITS))
+            if not d.exists()]
+    try:
+        split_stats, encoder_name = _write_splits(
+            reader, tasks, info, out, shard, seq_len, val_fraction,
+            fast=fast, num_threads=num_threads, progress=progress,
+        )
+        docs = sum(s["documents"] for s in split_stats.values())
+        if docs == 0 and shards == 1:
+            for split in SPLITS:
+                shard_path(out, split, shard).unlink(missing_ok=True)
+            raise PipelineError(
+                f"the corpus has no usable documents (skipped: {reader.describe_skipped()}): "
+                "check --input, --format, --text-field and --doc-split"
+            )
+    except BaseException:
+        for d in reversed(made):  # the folders this job made, when it leaves them empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     elapsed = time.perf_counter() - t0
     total_tokens = sum(s["tokens"] + s["tail_tokens"] for s in split_stats.values())
-    docs = sum(s["documents"] for s in split_stats.values())
-    if docs == 0 and shards == 1:
-        for split in SPLITS:
-            shard_path(out, split, shard).unlink(missing_ok=True)
-        raise PipelineError(
-            f"the corpus has no usable documents (skipped: {reader.skipped or 'none'}): check "
-            "--input, --format, --text-field and --doc-split"
-        )
     stats = {
         "format": FORMAT,
         "shard": shard,
