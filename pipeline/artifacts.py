@@ -135,19 +135,23 @@ class RunDir:
 def read_json_or_none(path: Path) -> Any:
     """A JSON file's content, or None when it is missing or unreadable (a status display's
     view; stages that need the file use :func:`read_artifact`)."""
+    if not path.is_file():  # absent, or a folder or FIFO (opening a FIFO would hang)
+        return None
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
 def read_artifact(path: Path, what: str, *, hint: str = "") -> dict[str, Any]:
     """A JSON object a stage needs, or a :class:`PipelineError` naming the file and what to do."""
     try:
+        if path.exists() and not path.is_file():  # a folder or FIFO (opening it would hang)
+            raise OSError("not a regular file")
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise PipelineError(f"{path}: no {what}{'; ' + hint if hint else ''}") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise PipelineError(
             f"{path}: {what} is unreadable ({err}){'; ' + hint if hint else ''}"
         ) from None
@@ -160,6 +164,8 @@ def read_jsonl(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]
     """The records of a JSON-lines file; a line cut by a crash (or the first, cut line of a
     tail read) is skipped, the rest still count. ``tail_bytes``: read only the end (metrics
     grow with the run). A missing file has no records."""
+    if not path.is_file():  # absent, or a folder or FIFO (opening a FIFO would hang)
+        return []
     try:
         with path.open("rb") as f:
             if tail_bytes is not None:
@@ -172,7 +178,7 @@ def read_jsonl(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]
     for line in data.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict):
             out.append(rec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.distenv import squeue_states
+from pipeline.errors import PipelineError
 
 #: How many of the newest metrics records the tokens/s column averages.
 RATE_WINDOW = 20
@@ -87,10 +89,39 @@ def run_status(run_dir: Path) -> RunStatus:
     return st
 
 
-def collect(results: Path) -> list[RunStatus]:
+#: A Slurm job id (array tasks and het-job parts included); anything else read from a
+#: job.json is not passed to squeue (one bad id would fail the query for every run).
+_JOB_ID = re.compile(r"^\d+([_+]\d+)?$")
+
+
+def _shown(name: str) -> str:
+    """A run name as the table shows it: control characters (a hostile folder name could
+    move the cursor or clear the screen) escaped."""
+    return name if name.isprintable() else ascii(name)[1:-1]
+
+
+def collect(results: Path, problems: list[str] | None = None) -> list[RunStatus]:
+    """One status per run folder. A run whose files cannot be read shows as ``unreadable``
+    (the reason is appended to ``problems``); it never hides the other runs."""
     runs_root = results / "runs"
-    dirs = sorted(p for p in runs_root.iterdir() if p.is_dir()) if runs_root.is_dir() else []
-    out = [run_status(d) for d in dirs]
+    try:
+        dirs = sorted(p for p in runs_root.iterdir() if p.is_dir()) if runs_root.is_dir() else []
+    except OSError as err:
+        raise PipelineError(f"{runs_root} cannot be listed ({err}): check its permissions") from err
+    out = []
+    for d in dirs:
+        try:
+            st = run_status(d)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
+            st = RunStatus(run=d.name, stage="unreadable")
+            if problems is not None:
+                problems.append(f"{d}: cannot be read ({type(err).__name__}: {err}); check or "
+                                "remove its files (the other runs are shown)")
+        st.run = _shown(st.run)
+        out.append(st)
+    for s in out:
+        if s.job_id != "-" and s.slurm_state == "-" and not _JOB_ID.match(s.job_id):
+            s.job_id, s.slurm_state = _shown(s.job_id)[:40], "?"
     slurm_ids = [s.job_id for s in out if s.job_id != "-" and s.slurm_state == "-"]
     if slurm_ids and shutil.which("squeue"):
         states = squeue_states(slurm_ids)
@@ -124,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.results.is_dir():
         print(f"error: no results directory at {args.results}", file=sys.stderr)
         return af.EXIT_USAGE
-    rows = collect(args.results)
+    problems: list[str] = []
+    try:
+        rows = collect(args.results, problems)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return af.EXIT_USAGE
     if args.json:
         for r in rows:
             print(json.dumps(r.__dict__))
@@ -132,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
     else:
         print(f"no runs under {args.results / 'runs'}")
-    return 0
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
