@@ -64,6 +64,14 @@ OUTPUT_MARKER = ".zerosnake-output"
 EVAL_DIR = "eval"  # evaluate: metrics.json, loss.png, report.md
 EVAL_METRICS = "metrics.json"
 
+#: Everything a run directory may hold (besides dotfiles and ``checkpoints.old-*``): what
+#: render may write beside without littering a folder that is not a run's.
+RUN_DIR_NAMES = frozenset({
+    RUN_CONFIG, DS_CONFIG, FSDP_CONFIG, TOPOLOGY, PLAN_MD, PLAN_JSON, LAUNCH, JOB, EVENTS,
+    METRICS, TRAIN_DONE, STOPPED, STOP, LOCK, PROBE_LOGITS, CHECKPOINTS, NODES, SUBMITIT, HF_DIR,
+    EVAL_DIR, "tb",
+})
+
 # --- a checkpoint folder ---------------------------------------------------------------------
 CKPT_MANIFEST = "manifest.json"  # written last: the checkpoint is complete once it exists
 CKPT_TRAINER = "trainer.json"

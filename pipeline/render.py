@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline import artifacts as af
 from pipeline.artifacts import SUBMITIT
 from pipeline.config import RunConfig, load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
-from pipeline.io import deep_merge, read_json, write_json_atomic, write_text_atomic
+from pipeline.io import deep_merge, write_json_atomic, write_text_atomic
 from pipeline.launchopts import LaunchOptions
 from pipeline.plan import (
     BatchSpec,
@@ -181,6 +182,38 @@ def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
     return files
 
 
+def check_run_out(out: Path, run: str) -> None:
+    """Refuse an ``--out`` that is not this run's directory: a file, a folder holding anything a
+    run directory does not (``.``, ``/``, the data directory), or another run's rendered
+    config. Absent and empty folders are fine; nothing is written when refused."""
+    if not out.exists():
+        if out.is_symlink():
+            raise PipelineError(f"--out {out} is a dangling symbolic link: choose another folder")
+        return
+    if not out.is_dir():
+        raise PipelineError(f"--out {out} is not a folder: name a run directory "
+                            "(results/runs/NAME)")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in af.RUN_DIR_NAMES
+                     and not p.name.startswith((".", f"{af.CHECKPOINTS}.old-")))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise PipelineError(
+            f"--out {out} is not a run directory (it holds {shown}): nothing was written; "
+            f"render into results/runs/{run} or a new, empty folder"
+        )
+    cfg = out / af.RUN_CONFIG
+    if cfg.exists():
+        old = af.read_json_or_none(cfg)
+        name = old.get("name") if isinstance(old, dict) else None
+        if name != run:
+            raise PipelineError(
+                f"--out {out} holds the rendered config of "
+                + (f"run {name!r}" if isinstance(name, str) else "another run (unreadable)")
+                + f", not of run {run!r}: nothing was written; render each run into its own "
+                "folder (results/runs/NAME)"
+            )
+
+
 def write_rendered(files: dict[str, Any], out: Path) -> None:
     """Write what ``render_run`` returned, each file atomically."""
     for name, content in files.items():
@@ -212,13 +245,26 @@ def main(argv: list[str] | None = None) -> int:
                 raise PipelineError("--config needs --run NAME (one of the config's runs:)")
             run = load_config(args.config).run(args.run)
         else:
-            run = parse_run_config(json.loads(args.run_config_json))
+            try:
+                data = json.loads(args.run_config_json)
+            except (ValueError, RecursionError) as err:
+                raise PipelineError(f"--run-config-json is not valid JSON ({err})") from None
+            run = parse_run_config(data)
         if args.data_manifest is not None:
-            vocab_size = read_json(args.data_manifest)["tokenizer"]["vocab_size"]
+            manifest = af.read_artifact(args.data_manifest, "data manifest",
+                                        hint="run the tokenize stage first")
+            af.check_data_manifest(manifest, args.data_manifest)
+            vocab_size = manifest["tokenizer"]["vocab_size"]
         else:
             vocab_size = args.vocab_size or run.data.tokenizer.vocab_size
+            if vocab_size < 1:
+                raise PipelineError(f"--vocab-size {vocab_size} must be at least 1")
         files = render_run(run, vocab_size=vocab_size)
-        write_rendered(files, args.out)
+        check_run_out(args.out, run.name)
+        try:
+            write_rendered(files, args.out)
+        except OSError as err:
+            raise PipelineError(f"--out {args.out}: cannot write the rendered files ({err})") from err
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
