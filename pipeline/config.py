@@ -4,6 +4,13 @@ A config file has a shared part (``data``, ``model``, ``cluster``, ``train``) an
 table. Each run is the shared part with that run's overrides deep-merged on top, so one config
 describes a batch of experiments that share one tokenized dataset.
 
+Config files combine as a workflow start reads them (:func:`workflow_config_raw`, used by the
+Snakefile and by ``python -m pipeline.config check``): ``config/config.yaml`` from the working
+directory, then each ``--configfile``, then ``--config`` values, each deep-merged over the ones
+before, except that a file's ``runs:`` replaces the earlier runs as a whole (a user's batch of
+runs never inherits the default ``fsdp`` and ``deepspeed`` runs) and lists are replaced. Every
+file is read strictly (:func:`load_yaml`): a duplicate key is an error naming it and its line.
+
 The JSON schema that the Snakefile validates is generated from these classes
 (``python -m pipeline.config schema``); ``tests/test_config.py`` fails when the checked-in
 ``config/schema.json`` is stale.
