@@ -8,7 +8,15 @@ import json
 import pytest
 import yaml
 
-from pipeline.config import expand_sources, json_schema, load_config, parse_config
+from pipeline.config import (
+    expand_sources,
+    json_schema,
+    load_config,
+    load_yaml,
+    merge_config,
+    parse_config,
+    workflow_config_raw,
+)
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 
@@ -64,6 +72,12 @@ def test_default_config_defines_two_runs_sharing_data():
         ({**DEFAULT, "runs": {"a": {"train": {"lrr": 1.0}}}}, "runs.a.train.lrr: unknown key"),
         ({**DEFAULT, "runs": {"a b;": {}}}, "run name 'a b;'"),
         ({k: v for k, v in DEFAULT.items() if k != "data"}, "data: required key is missing"),
+        (with_(train__lr=float("inf")), "train.lr: Input should be a finite number"),
+        (with_(train__betas=[0.9, 1.0]), "train.betas.1"),
+        (with_(cluster__nodes=10**9), "cluster.nodes"),
+        ({**DEFAULT, "runs": {"a\n": {}}}, "run name 'a\\n'"),
+        ({**DEFAULT, "runs": {}}, "runs"),
+        (with_(model__init_from="/nonexistent/model"), "model.init_from: '/nonexistent/model'"),
     ],
 )
 def test_bad_config_names_the_key(raw, needle):
@@ -107,3 +121,46 @@ def test_planner_keys_name_config_fields():
             continue
         section, name = key.split(".")
         assert name in sections[section].model_fields, key
+
+
+def test_a_later_files_runs_replace_the_earlier_runs_and_the_rest_merges():
+    user = {"train": {"lr": 1e-3}, "runs": {"solo": {"train": {"max_steps": 20}}}}
+    merged = merge_config(DEFAULT, user)
+    assert list(merged["runs"]) == ["solo"]
+    assert merged["train"]["lr"] == 1e-3
+    assert merged["train"]["backend"] == DEFAULT["train"]["backend"]  # deep-merged
+    assert merge_config(DEFAULT, {"train": {"lr": 1e-3}})["runs"] == DEFAULT["runs"]
+    cfg = parse_config(merged)
+    assert cfg.run_names() == ["solo"] and cfg.run("solo").train.max_steps == 20
+
+
+def test_workflow_config_reads_the_default_here_then_each_file(tmp_path, monkeypatch):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(DEFAULT))
+    (tmp_path / "a.yaml").write_text("runs:\n  one: {}\n")
+    (tmp_path / "b.yaml").write_text("train:\n  lr: 1.0e-3\n")
+    monkeypatch.chdir(tmp_path)
+    raw = workflow_config_raw(["a.yaml", "b.yaml"], {"train": {"max_steps": 30}})
+    cfg = parse_config(raw)
+    assert cfg.run_names() == ["one"]
+    assert (cfg.train.lr, cfg.train.max_steps) == (1e-3, 30)
+    with pytest.raises(PipelineError, match="data: required key is missing"):
+        parse_config(workflow_config_raw(["a.yaml"], replace_default=True))
+
+
+def test_yaml_duplicate_keys_are_refused_with_key_and_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1\n  max_steps: 3\n  lr: 2\n")
+    with pytest.raises(PipelineError, match=r"line 4: duplicate key train\.lr \(first at line 2\)"):
+        load_yaml(path)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {lr: 1.0e-3, max_steps: 20}\n"
+                    "runs:\n  a: {train: {<<: *b, lr: 2.0e-3}}\n")
+    assert load_yaml(path)["runs"]["a"]["train"] == {"lr": 2e-3, "max_steps": 20}
+
+
+def test_an_empty_run_entry_is_a_run_without_overrides():
+    assert parse_config({**DEFAULT, "runs": {"plain": None}}).run_names() == ["plain"]
