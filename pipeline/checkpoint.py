@@ -25,14 +25,23 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.artifacts import CHECKPOINTS, CKPT_MANIFEST, CKPT_TRAINER, checkpoint_steps, step_name
+from pipeline.artifacts import (
+    CHECKPOINTS,
+    CKPT_MANIFEST,
+    CKPT_TRAINER,
+    checkpoint_steps,
+    inside,
+    step_name,
+)
 from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST, digest_file
 from pipeline.io import read_json, sha256_file, sha256_json, write_json_atomic
@@ -55,22 +64,98 @@ def tmp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-{step_name(step)}"
 
 
+def _manifest_entries(path: Path, meta: Any) -> dict[str, dict[str, Any]] | str:
+    """The manifest's ``files`` after checking its shape, or the reason it is refused.
+
+    Paths are data: each must be a plain relative path that stays inside the folder."""
+    if not isinstance(meta, dict):
+        return "manifest.json is not a JSON object"
+    for key in ("step", "files"):
+        if key not in meta:
+            return f"manifest.json has no {key!r} key"
+    if not isinstance(meta["step"], int) or isinstance(meta["step"], bool):
+        return f"manifest.json: 'step' is {meta['step']!r}, not a number"
+    files = meta["files"]
+    if not isinstance(files, dict):
+        return "manifest.json: 'files' is not an object"
+    if not files:
+        return "manifest.json lists no files (a manifest must account for every file)"
+    for rel, info in files.items():
+        parts = rel.split("/")
+        if (not rel or rel.startswith("/") or "\\" in rel or "\0" in rel
+                or any(p in ("", ".", "..") for p in parts)):
+            return f"manifest.json: the path {rel!r} is not a plain path inside the checkpoint"
+        try:
+            inside(path, rel)
+        except PipelineError:
+            return f"manifest.json: the path {rel!r} leaves the checkpoint folder"
+        if rel == MANIFEST:
+            return "manifest.json lists itself"
+        if not isinstance(info, dict):
+            return f"manifest.json: the entry of {rel} is not an object"
+        size = info.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"manifest.json: the entry of {rel} has no valid 'bytes'"
+        if not isinstance(info.get(DIGEST, info.get("sha256")), str):
+            return f"manifest.json: the entry of {rel} has no checksum ({DIGEST!r} or 'sha256')"
+    return files
+
+
+def _present_files(path: Path) -> set[str] | str:
+    """Every file in the checkpoint folder (relative, posix), or the reason it is refused: a
+    symbolic link or anything but plain files and folders."""
+    present: set[str] = set()
+    for parent, dirs, names in os.walk(path, followlinks=False):
+        base = Path(parent)
+        for name in [*dirs, *names]:
+            p = base / name
+            rel = p.relative_to(path).as_posix()
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                return f"{rel} is a symbolic link (a checkpoint holds only plain files)"
+            if stat.S_ISREG(st.st_mode):
+                present.add(rel)
+            elif not stat.S_ISDIR(st.st_mode):
+                return f"{rel} is not a regular file"
+    return present
+
+
 def verify(path: Path) -> str | None:
-    """None if the checkpoint's manifest verifies, else the reason it does not."""
+    """None if the checkpoint verifies, else the reason it does not (naming the file).
+
+    Verified: the manifest is well formed and lists at least one file; its paths stay inside
+    the folder; it accounts for every file there (nothing present and unlisted, nothing listed
+    and missing); no symbolic links; every file has its listed size and checksum. The checksum
+    guards against torn, truncated and corrupted files, not against someone who can also
+    rewrite the manifest: what is read from a verified checkpoint is still only ever unpickled
+    through allow-lists (``pipeline.checkpoint_tensors``)."""
+    if path.is_symlink():
+        return f"{path.name} is a symbolic link (a checkpoint is a plain folder)"
     manifest = path / MANIFEST
+    if manifest.is_symlink():
+        return "manifest.json is a symbolic link (a checkpoint holds only plain files)"
     if not manifest.is_file():
         return "no manifest.json (the save did not finish)"
     try:
         meta = read_json(manifest)
-    except ValueError as err:
+    except (OSError, ValueError, RecursionError) as err:
         return f"manifest.json is not valid JSON ({err})"
-    files = meta.get("files", {})
+    files = _manifest_entries(path, meta)
+    if isinstance(files, str):
+        return files
+    present = _present_files(path)
+    if isinstance(present, str):
+        return present
+    unlisted = sorted(present - set(files) - {MANIFEST})
+    if unlisted:
+        return (f"{unlisted[0]} is not listed in manifest.json (a manifest accounts for every "
+                f"file{f'; {len(unlisted) - 1} more' if len(unlisted) > 1 else ''})")
     for rel, info in files.items():
-        f = path / rel
-        if not f.is_file():
+        if rel not in present:
             return f"{rel} is missing"
-        if f.stat().st_size != info["bytes"]:
-            return f"{rel} has {f.stat().st_size} bytes, the manifest says {info['bytes']}"
+        size = (path / rel).stat().st_size
+        if size != info["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {info['bytes']}"
 
     def check(item: tuple[str, dict[str, Any]]) -> str | None:
         rel, info = item
@@ -202,7 +287,15 @@ def load_rng(ckpt: Path, rank: int) -> bool:
     path = ckpt / "rng" / f"rank-{rank:05d}.pt"
     if not path.is_file():
         return False
-    set_rng_state(torch.load(path, weights_only=True))
+    import pickle
+
+    try:  # tensors and plain containers only: nothing in the file is code
+        state = torch.load(path, weights_only=True)
+        set_rng_state(state)
+    except pickle.UnpicklingError as err:
+        raise PipelineError(f"{path}: refused to unpickle ({str(err).splitlines()[0]})") from None
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, ValueError) as err:
+        raise PipelineError(f"{path}: not this project's RNG state ({err})") from None
     return True
 
 
@@ -230,6 +323,18 @@ class TrainerState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         return cls(**d)
+
+    @classmethod
+    def read(cls, path: Path) -> TrainerState:
+        """``trainer.json`` of a checkpoint, or a :class:`PipelineError` naming it."""
+        try:
+            d = read_json(path)
+        except (OSError, ValueError, RecursionError) as err:
+            raise PipelineError(f"{path}: unreadable ({err})") from None
+        keys = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or not set(d) <= keys or not isinstance(d.get("step"), int):
+            raise PipelineError(f"{path}: not a trainer state (expected an object with {sorted(keys)})")
+        return cls.from_json(d)
 
 
 # --- the trainer's checkpoint policy ---------------------------------------------------------
@@ -266,11 +371,14 @@ def resume_point(root: Path, chash: str, data_hash: str) -> tuple[int, Path] | N
     if meta.get("data_manifest_sha256") != data_hash:
         raise PipelineError(
             f"the checkpoints in {root} were trained on another tokenized dataset "
-            f"(data manifest {meta.get('data_manifest_sha256', '?')[:12]}, now "
+            f"(data manifest {str(meta.get('data_manifest_sha256', '?'))[:12]}, now "
             f"{data_hash[:12]}); delete {root} to start over, or use a new run name"
         )
     if meta.get("config_hash") != chash:
-        dest = root.with_name(f"{CHECKPOINTS}.old-{meta.get('config_hash', 'unknown')[:12]}")
+        tag = str(meta.get("config_hash", "unknown"))[:12]
+        if not re.fullmatch(r"[0-9A-Za-z_-]+", tag):  # a name made from data stays one name
+            tag = "unknown"
+        dest = root.with_name(f"{CHECKPOINTS}.old-{tag}")
         log.warning("config changed since %s: moving old checkpoints to %s", found[1], dest)
         if dest.exists():
             shutil.rmtree(dest)
@@ -321,7 +429,9 @@ class CheckpointManager:
 
     def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
         """Restore the engine, the loader and (same world size only) this rank's RNG from
-        ``path``; returns the trainer's state saved with it."""
+        ``path``, a folder that :meth:`resume` chose (so rank 0 verified all of it before any
+        rank reads it); returns the trainer's state saved with it. The engines unpickle
+        nothing but through allow-lists."""
         saved_world = read_json(path / MANIFEST).get("world_size")
         if self.backend == "deepspeed" and saved_world != self.world_size:
             raise PipelineError(
@@ -331,7 +441,7 @@ class CheckpointManager:
                 "--output_folder <dir>` and load that (DeepSpeed's universal checkpoint), "
                 f"or run on {saved_world} processes; fsdp runs reshard automatically"
             )
-        state = TrainerState.from_json(read_json(path / CKPT_TRAINER))
+        state = TrainerState.read(path / CKPT_TRAINER)
         engine.load(path, {"scheduler": state.scheduler})
         loader.load_state_dict(state.loader)
         if saved_world == self.world_size:

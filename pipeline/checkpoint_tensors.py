@@ -21,8 +21,10 @@ never read; the pages of master weights already copied are handed back with
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import mmap
+import pickle
 import re
 import sys
 from collections.abc import Iterator
@@ -61,6 +63,122 @@ class Source:
 
 
 # --------------------------------------------------------------------------------------------
+# Untrusted bytes are data: what a checkpoint may unpickle
+# --------------------------------------------------------------------------------------------
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_DCP_FS = "torch.distributed.checkpoint.filesystem"
+#: The globals a DCP ``.metadata`` pickle names (torch 2.x: ``Metadata`` and its parts, the
+#: file system reader's storage index, ``torch.Size``, dtypes and layouts, the checkpoint id).
+_DCP_GLOBALS = frozenset({
+    *((_DCP_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                               "TensorStorageMetadata", "BytesStorageMetadata",
+                               "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    (_DCP_FS, "_StorageInfo"), (_DCP_FS, "_StoragePrefix"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+})
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """``pickle`` that resolves only the allow-listed globals (and torch's dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def load_dcp_metadata(stream: Any, path: Path | str) -> Any:
+    """A DCP ``.metadata`` pickle through the allow-list; :class:`PipelineError` naming ``path``
+    for anything else (a foreign global, a truncated or garbled file)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        meta = _RestrictedUnpickler(stream).load()
+    except pickle.UnpicklingError as err:
+        raise PipelineError(
+            f"{path}: refused to unpickle the DCP metadata ({err}); the checkpoint was not "
+            "written by torch.distributed.checkpoint or was tampered with"
+        ) from None
+    except Exception as err:  # any failure of a garbled pickle gets the same answer
+        raise PipelineError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+    if not isinstance(meta, Metadata):
+        raise PipelineError(f"{path}: the DCP metadata is a {type(meta).__name__}, not Metadata")
+    return meta
+
+
+def read_dcp_metadata(dcp_dir: Path) -> Any:
+    """The ``Metadata`` of a DCP checkpoint folder, unpickled through the allow-list."""
+    return safe_reader(dcp_dir).read_metadata()
+
+
+def safe_reader(dcp_dir: Path) -> Any:
+    """A DCP ``FileSystemReader`` whose ``read_metadata`` goes through the allow-list."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                meta = load_dcp_metadata(stream, path)
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return _SafeFileSystemReader(str(dcp_dir))
+
+
+def safe_planner(dcp_dir: Path) -> Any:
+    """DCP's default load planner, except that non-tensor entries (optimizer hyper-parameters
+    and the like, which DCP pickles with ``torch.save``) load with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise PipelineError(
+                    f"{dcp_dir}: refused to unpickle the entry {fqn!r} ({str(err).splitlines()[0]})"
+                ) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return _SafeLoadPlanner()
+
+
+def dcp_load(state: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``state`` from ``dcp_dir`` with the allow-listed metadata reader and
+    planner; a refusal on any rank comes out as its :class:`PipelineError`, not DCP's
+    ``CheckpointException`` with every rank's traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=safe_reader(dcp_dir), planner=safe_planner(dcp_dir),
+                 no_dist=no_dist)
+    except CheckpointException as err:
+        for exc, _trace in err.failures.values():
+            if isinstance(exc, PipelineError):
+                raise exc from None
+        raise
+
+
+# --------------------------------------------------------------------------------------------
 # FSDP2: torch.distributed.checkpoint
 # --------------------------------------------------------------------------------------------
 
@@ -71,12 +189,10 @@ class DCPSource(Source):
     PREFIX = "model."
 
     def __init__(self, dcp_dir: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self._dcp = dcp
         self.dir = dcp_dir
-        meta = dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        meta = read_dcp_metadata(dcp_dir)
         self.tensors = {
             key.removeprefix(self.PREFIX): TensorInfo(tuple(info.size), info.properties.dtype)
             for key, info in meta.state_dict_metadata.items()
@@ -103,7 +219,7 @@ class DCPSource(Source):
             for n in names
         }
         # A fresh reader per call: FileSystemReader keeps per-load state (the storage index).
-        self._dcp.load(state, storage_reader=self._dcp.FileSystemReader(str(self.dir)), no_dist=True)
+        dcp_load(state, self.dir, no_dist=True)
         for n in names:
             yield n, state.pop(self.PREFIX + n)
 
@@ -130,14 +246,66 @@ class _DeepSpeedObject:
         self.state = state
 
 
+#: DeepSpeed's own classes inside its checkpoint pickles (ZeRO 0-3; fp32, bf16 and fp16), which
+#: the engine's resume needs as themselves. Anything else a ``*.pt`` file names is refused.
+DS_GLOBALS = (
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+)
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The globals a torch checkpoint file names beyond torch's ``weights_only`` defaults."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception as err:  # a truncated or garbled file: the same answer for every kind
+        raise PipelineError(f"{path}: not a readable torch checkpoint file ({err})") from None
+
+
+def _torch_load(path: Path, **kw: Any) -> Any:
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except pickle.UnpicklingError as err:
+        raise PipelineError(f"{path}: refused to unpickle ({str(err).splitlines()[0]})") from None
+    except (OSError, RuntimeError, EOFError) as err:
+        raise PipelineError(f"{path}: not a readable torch checkpoint file ({err})") from None
+
+
+def check_ds_files(ds_dir: Path) -> None:
+    """Every ``*.pt`` under a DeepSpeed checkpoint folder names only :data:`DS_GLOBALS`
+    (checked before the engine reads any of them, on every rank: all ranks agree)."""
+    for f in sorted(ds_dir.rglob("*.pt")):
+        foreign = [g for g in _unsafe_globals(f) if g not in DS_GLOBALS]
+        if foreign:
+            raise PipelineError(f"{f} pickles objects outside DeepSpeed's allow-list: {foreign[:5]}")
+
+
+def load_ds_file_for_engine(path: str | Path, map_location: Any = None) -> Any:
+    """DeepSpeed's checkpoint engine ``load``, made safe: ``weights_only=True`` with
+    :data:`DS_GLOBALS` (the real classes) as the only extra globals."""
+    path = Path(path)
+    unsafe = _unsafe_globals(path)
+    foreign = [g for g in unsafe if g not in DS_GLOBALS]
+    if foreign:
+        raise PipelineError(f"{path} pickles objects outside DeepSpeed's allow-list: {foreign[:5]}")
+    classes = []
+    for g in unsafe:
+        module, _, name = g.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), name))
+    with torch.serialization.safe_globals(classes):
+        return _torch_load(path, map_location=map_location)
+
+
 def _load_ds_file(path: Path) -> dict[str, Any]:
     """A DeepSpeed ``*.pt`` file, memory-mapped, with ``weights_only=True``."""
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    unsafe = _unsafe_globals(path)
     foreign = [g for g in unsafe if not g.startswith("deepspeed.")]
     if foreign:
         raise PipelineError(f"{path} pickles objects that are not DeepSpeed's: {foreign[:5]}")
     with torch.serialization.safe_globals([(_DeepSpeedObject, g) for g in unsafe]):
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return _torch_load(path, map_location="cpu", mmap=True)
 
 
 class _PageDropper:

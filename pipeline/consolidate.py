@@ -1,8 +1,8 @@
 """The consolidate stage: a run's last sharded checkpoint → an HF model directory, streaming.
 
 ``python -m pipeline.consolidate --run-dir results/runs/NAME --data-dir results/data --out
-results/runs/NAME/hf`` reads the checkpoint named in ``train.done`` (verifying its manifest),
-and writes ``config.json``, ``generation_config.json``, safetensors (split into shards with
+results/runs/NAME/hf`` reads the checkpoint named in ``train.done`` (verified completely
+against its manifest before any file of it is opened), and writes ``config.json``, ``generation_config.json``, safetensors (split into shards with
 ``model.safetensors.index.json`` above ``--max-shard-size``) and the tokenizer files, so that
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it offline.
 
@@ -26,7 +26,6 @@ import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -188,23 +187,14 @@ def consolidate(
             "name; rerun the train rule"
         )
     ckpt = af.inside(run_dir / af.CHECKPOINTS, name)
-    if not (ckpt / ck.MANIFEST).is_file():
-        raise PipelineError(f"checkpoint {ckpt} does not verify: {ck.verify(ckpt)}")
-    # The checksum of every file is checked on a thread while the weights stream into a temp
-    # dir (xxhash and the tensor reads release the GIL); the result is swapped into place only
-    # if the checkpoint verified, so nothing unverified is ever published.
-    pool = ThreadPoolExecutor(max_workers=1)
-    verifying = pool.submit(ck.verify, ckpt)
-    try:
-        return _consolidate(ckpt, verifying, run_dir, data_dir, out, dtype=dtype, cap=cap)
-    finally:
-        pool.shutdown(wait=True)
-
-
-def _raise_if_unverified(ckpt: Path, verifying: Future[str | None]) -> None:
-    why = verifying.result()
+    # Verified completely (every file listed, sized and checksummed, nothing unlisted, no
+    # links) before any reader opens a file of it: DCP's .metadata and DeepSpeed's *.pt are
+    # pickles, so nothing unverified may reach a loader, and what verified still loads only
+    # through allow-lists (pipeline.checkpoint_tensors).
+    why = ck.verify(ckpt)
     if why is not None:
         raise PipelineError(f"checkpoint {ckpt} does not verify: {why}")
+    return _consolidate(ckpt, run_dir, data_dir, out, dtype=dtype, cap=cap)
 
 
 def _expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str], str]:
@@ -243,10 +233,7 @@ def _check_match(ckpt: Path, source: Any, expected: dict[str, tuple[int, ...]],
         )
 
 
-def _consolidate(
-    ckpt: Path, verifying: Future[str | None], run_dir: Path, data_dir: Path, out: Path, *,
-    dtype: str, cap: int,
-) -> Path:
+def _consolidate(ckpt: Path, run_dir: Path, data_dir: Path, out: Path, *, dtype: str, cap: int) -> Path:
     from transformers import GenerationConfig
 
     meta = af.read_artifact(ckpt / ck.MANIFEST, "checkpoint manifest")
@@ -262,29 +249,25 @@ def _consolidate(
 
     try:
         source = open_source(ckpt)
-    except Exception:
-        _raise_if_unverified(ckpt, verifying)  # a corrupt file explains the failure best
-        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        # Verified, yet not the layout an engine writes: a foreign or hand-made checkpoint.
+        raise PipelineError(f"checkpoint {ckpt}: not a layout this reader knows "
+                            f"({type(err).__name__}: {err})") from None
     _check_match(ckpt, source, expected, dropped)
     out_dtypes = {
         k: DTYPES[dtype] if source.tensors[k].dtype.is_floating_point else source.tensors[k].dtype
         for k in expected
     }
     with af.replacing_dir(out, af.HF_PROVENANCE) as tmp:
-        try:
-            write_safetensors(
-                tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
-            )
-        except Exception:
-            _raise_if_unverified(ckpt, verifying)
-            raise
+        write_safetensors(
+            tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
+        )
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok_dir = af.inside(data_dir, tok["path"])
         for name in TOKENIZER_FILES:
             if (tok_dir / name).is_file():
                 shutil.copy2(tok_dir / name, tmp / name)
-        _raise_if_unverified(ckpt, verifying)
         # The provenance file is also the marker that lets a rerun replace this folder.
         write_json_atomic(
             tmp / af.HF_PROVENANCE,

@@ -147,12 +147,17 @@ class FSDPEngine:
         return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from pipeline.checkpoint_tensors import dcp_load, read_dcp_metadata
+
+        # Every rank reads the metadata through the allow-list first: a refusal is the same
+        # clean error on all ranks, before any collective of the load. dcp_load reads it (and
+        # the non-tensor entries) through the same allow-lists.
+        read_dcp_metadata(ckpt / "dcp")
         msd, osd = get_state_dict(self.model, self.opt)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+        dcp_load(state, ckpt / "dcp")
         set_state_dict(
             self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -214,9 +219,20 @@ class DeepSpeedEngine:
         return {"digests": digests.relative_to(ckpt)}
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
-        path, _ = self.engine.load_checkpoint(
-            str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
+
+        # DeepSpeed's checkpoint engine loads with weights_only=False: every rank checks every
+        # file's globals against the allow-list first (the same answer on all ranks), and the
+        # engine's load goes through weights_only=True with DeepSpeed's few classes.
+        check_ds_files(ckpt / "ds")
+        ce = self.engine.checkpoint_engine
+        ce.load = load_ds_file_for_engine
+        try:
+            path, _ = self.engine.load_checkpoint(
+                str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        finally:
+            del ce.load  # back to the class's method
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt}")
 
