@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -75,6 +76,8 @@ def _no_nul(value: str) -> str:
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
 #: An Adam beta: a decay rate in [0, 1).
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+#: Field types that a boolean must not stand in for.
+_NUMBERS = (int, float, int | None, float | None)
 
 
 class _Strict(BaseModel):
@@ -83,6 +86,15 @@ class _Strict(BaseModel):
     # allow_inf_nan=False: .inf / .nan / Infinity are refused in every float field.
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True,
                               allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # Lax mode reads true/false as 1/0 (`lr: true` would train at lr 1): a typo, not a number.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+            raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class SourceConfig(_Strict):

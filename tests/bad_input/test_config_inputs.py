@@ -66,6 +66,7 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     ("weight-decay-inf", set_("train.weight_decay", float("inf")), ("train.weight_decay",)),
     ("rope-theta-nan", set_("model.rope_theta", float("nan")), ("model.rope_theta",)),
     ("gpu-mem-absurd", set_("cluster.gpu_mem_gb", 1e12), ("cluster.gpu_mem_gb",)),
+    ("lr-boolean", DEFAULT_TEXT.replace("lr: 3.0e-3", "lr: yes"), ("train.lr", "not a boolean")),
     # Integers that would hang the planner or exhaust memory.
     ("nodes-1e9", DEFAULT_TEXT.replace("nodes: 1", "nodes: 1.0e+9"), ("cluster.nodes",)),
     ("gpus-absurd", set_("cluster.gpus_per_node", 10**6), ("cluster.gpus_per_node",)),
