@@ -62,6 +62,8 @@ HF_PROVENANCE = "zerosnake.json"  # consolidate: which checkpoint the HF dir cam
 #: In a folder a command replaces as a whole (the tokenizer dir): "this command wrote me".
 OUTPUT_MARKER = ".zerosnake-output"
 EVAL_DIR = "eval"  # evaluate: metrics.json, loss.png, report.md
+#: In the eval folder (evaluate replaces it as a whole): "evaluate wrote me".
+EVAL_MARKER = ".zerosnake-eval"
 EVAL_METRICS = "metrics.json"
 
 #: Everything a run directory may hold (besides dotfiles and ``checkpoints.old-*``): what

@@ -78,10 +78,23 @@ def perplexity(
     return out
 
 
+#: The per-step fields the plots and the report read; a record missing one (or holding
+#: something that is not a number) is skipped like a line cut by a crash.
+_PLOTTED = ("loss", "lr", "tokens_seen", "tokens_per_s")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """metrics.jsonl, keeping the last record of each step (a resumed run repeats some); a
-    line cut by a crash is skipped (``pipeline.artifacts.read_jsonl``)."""
-    by_step = {rec["step"]: rec for rec in af.read_jsonl(path) if "step" in rec}
+    line cut by a crash is skipped (``pipeline.artifacts.read_jsonl``), and so is a record
+    without an integer step or with a plotted field that is not a number."""
+    by_step = {
+        rec["step"]: rec for rec in af.read_jsonl(path)
+        if type(rec.get("step")) is int and all(_number(rec.get(k)) for k in _PLOTTED)
+    }
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -198,24 +211,76 @@ def run_lm_eval(model: Any, tokenizer: Any, items: list[dict[str, Any]], work: P
     return {"version": getattr(lm_eval, "__version__", None), "results": results}
 
 
-def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
-             lm_eval_tasks: Path | None = None, lm_eval_names: list[str] | None = None) -> dict[str, Any]:
-    """Evaluate the HF model on the validation split; write metrics, plot and report."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+#: What evaluate writes into ``--out`` (a folder holding only these, or its marker, is one
+#: it wrote before and may replace).
+EVAL_FILES = (af.EVAL_METRICS, "loss.png", "report.md", "lm_eval")
 
-    from pipeline.data import PackedDataset
 
+def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path | None,
+                  lm_eval_names: list[str] | None) -> dict[str, Any]:
+    """Everything that can be checked before the model is loaded: the consolidation record
+    (returned), the run directory, the output folder and the lm-eval options."""
     if not (model_dir / af.RUN_CONFIG).is_file():
-        raise PipelineError(f"{model_dir} is not an HF model directory: run consolidate first")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    val = PackedDataset(data_dir, split="validation")
-    seqs = np.stack([val[i] for i in range(len(val))]) if len(val) else np.zeros((0, 2), np.int32)
-    result = perplexity(model, seqs, token_byte_lengths(tokenizer))
+        raise PipelineError(f"--model {model_dir} is not an HF model directory (no "
+                            f"{af.RUN_CONFIG}): run consolidate first")
     origin = af.read_artifact(model_dir / af.HF_PROVENANCE, "consolidation record",
                               hint="run consolidate again")
+    if type(origin.get("step")) is not int or not isinstance(
+            origin.get("checkpoint_manifest_sha256"), str):
+        raise PipelineError(f"{model_dir / af.HF_PROVENANCE}: the consolidation record has no "
+                            "valid step or checkpoint_manifest_sha256; run consolidate again")
+    if not run_dir.is_dir():
+        raise PipelineError(f"--run-dir {run_dir} is not a folder: name results/runs/NAME")
+    if lm_eval_tasks is not None and not lm_eval_tasks.is_dir():
+        raise PipelineError(f"--lm-eval-tasks {lm_eval_tasks} is not a folder of task YAMLs")
+    if lm_eval_names and lm_eval_tasks is None:
+        raise PipelineError("--lm-eval-task needs --lm-eval-tasks DIR (the folder defining it)")
+    # Replaced as a whole, atomically, and only when evaluate wrote it (checked again when
+    # the new folder is swapped in): `--out .` or `--out results/runs/NAME` is refused here,
+    # before any work.
+    try:
+        af.check_replaceable(out, af.EVAL_MARKER, EVAL_FILES)
+    except PipelineError as err:
+        raise PipelineError(f"--out {err}") from None
+    return origin
+
+
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    """The consolidated model and its tokenizer (a folder that does not load is an error
+    naming it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:  # transformers/safetensors raise many types for a bad folder
+        raise PipelineError(f"--model {model_dir} does not load as an HF model and tokenizer "
+                            f"({type(err).__name__}: {err}); rerun consolidate") from err
+    model.eval()
+    return model, tokenizer
+
+
+def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
+             lm_eval_tasks: Path | None = None, lm_eval_names: list[str] | None = None) -> dict[str, Any]:
+    """Evaluate the HF model on the validation split; write metrics, plot and report (into
+    ``out``, replaced as a whole: see :func:`_check_inputs`)."""
+    from pipeline.data import PackedDataset
+
+    origin = _check_inputs(model_dir, run_dir, out, lm_eval_tasks, lm_eval_names)
     records = read_metrics(run_dir / af.METRICS)
+    val = PackedDataset(data_dir, split="validation")
+    if len(val) == 0:
+        raise PipelineError(f"the validation split of {data_dir} has no sequences: raise "
+                            "data.val_fraction (tokenize --val-fraction) and tokenize again")
+    seqs = np.stack([val[i] for i in range(len(val))])
+    model, tokenizer = _load(model_dir)
+    vocab = model.config.vocab_size
+    if len(seqs) and int(seqs.max()) >= vocab:
+        raise PipelineError(
+            f"the validation split of {data_dir} holds token id {int(seqs.max())}, beyond the "
+            f"model's vocabulary of {vocab}: --data-dir is not the data --model was trained on"
+        )
+    result = perplexity(model, seqs, token_byte_lengths(tokenizer))
     samples = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -223,23 +288,25 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
             ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
         )
         samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0])})
-    harness = run_lm_eval(model, tokenizer, continuation_items(tokenizer, seqs), out / "lm_eval",
-                          lm_eval_tasks, lm_eval_names)
-    if "skipped" in harness:
-        print(f"lm-eval: {harness['skipped']}", file=sys.stderr)
-    metrics = {
-        **result,
-        "lm_eval": harness,
-        "vocab_size": model.config.vocab_size,
-        "validation_sequences": len(val),
-        "step": origin["step"],
-        "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
-        "final_train_loss": records[-1]["loss"] if records else None,
-        "samples": samples,
-    }
-    write_json_atomic(out / af.EVAL_METRICS, metrics)
-    plot_training(records, out / "loss.png", result["loss"])
-    write_text_atomic(out / "report.md", _report(run_dir.name, metrics, records))
+    with af.replacing_dir(out, af.EVAL_MARKER, EVAL_FILES) as tmp:
+        harness = run_lm_eval(model, tokenizer, continuation_items(tokenizer, seqs),
+                              tmp / "lm_eval", lm_eval_tasks, lm_eval_names)
+        if "skipped" in harness:
+            print(f"lm-eval: {harness['skipped']}", file=sys.stderr)
+        metrics = {
+            **result,
+            "lm_eval": harness,
+            "vocab_size": model.config.vocab_size,
+            "validation_sequences": len(val),
+            "step": origin["step"],
+            "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
+            "final_train_loss": records[-1]["loss"] if records else None,
+            "samples": samples,
+        }
+        write_json_atomic(tmp / af.EVAL_METRICS, metrics)
+        plot_training(records, tmp / "loss.png", result["loss"])
+        write_text_atomic(tmp / "report.md", _report(run_dir.name, metrics, records))
+        (tmp / af.EVAL_MARKER).write_text(json.dumps({"written_by": "evaluate"}) + "\n")
     return metrics
 
 
@@ -295,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return af.EXIT_USAGE
+    except OSError as err:  # e.g. --out on a read-only or full file system
+        print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(json.dumps({k: m[k] for k in ("loss", "perplexity", "tokens")}))
     return 0
 
