@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
@@ -49,11 +48,18 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     return sizes
 
 
-@torch.no_grad()
 def perplexity(
     model: Any, sequences: np.ndarray, byte_lengths: np.ndarray | None = None, batch_size: int = 16
 ) -> dict[str, float]:
     """Token-weighted mean loss, perplexity and bits per byte over packed sequences."""
+    import torch  # here, not at import: a bad argument is reported without loading torch
+
+    with torch.no_grad():
+        return _perplexity(torch, model, sequences, byte_lengths, batch_size)
+
+
+def _perplexity(torch: Any, model: Any, sequences: np.ndarray, byte_lengths: np.ndarray | None,
+                batch_size: int) -> dict[str, float]:
     total_loss = 0.0
     total_tokens = 0
     total_bytes = 0
