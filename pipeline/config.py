@@ -314,6 +314,18 @@ class TrainConfig(_Strict):
     """fp16 with ``backend: ddp``: the loss scale doubles after this many steps without
     overflow."""
 
+    @field_validator("deepspeed")
+    @classmethod
+    def _finite_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Written into ds_config.json: JSON with finite numbers only (NaN is not JSON).
+        import json
+
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"must be plain JSON with finite numbers ({err})") from None
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.warmup_steps >= self.max_steps:
@@ -462,7 +474,8 @@ class Config(_Strict):
         if name not in self.runs:
             raise PipelineError(f"unknown run {name!r}; the config defines {sorted(self.runs)}")
         base = self.model_dump(mode="json", exclude={"runs"})
-        merged = deep_merge(base, self.runs[name].model_dump(mode="json", exclude_none=True))
+        # Python mode: JSON mode would turn an override's .inf/.nan into null, silently.
+        merged = deep_merge(base, self.runs[name].model_dump(exclude_none=True))
         return _validate(RunConfig, {"name": name, **merged}, where=f"runs.{name}.")
 
 

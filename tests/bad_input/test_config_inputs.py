@@ -67,6 +67,12 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     ("rope-theta-nan", set_("model.rope_theta", float("nan")), ("model.rope_theta",)),
     ("gpu-mem-absurd", set_("cluster.gpu_mem_gb", 1e12), ("cluster.gpu_mem_gb",)),
     ("lr-boolean", DEFAULT_TEXT.replace("lr: 3.0e-3", "lr: yes"), ("train.lr", "not a boolean")),
+    ("run-override-lr-inf", runs({"fsdp": {"train": {"lr": float("inf")}}}),
+     ("runs.fsdp.train.lr", "finite")),
+    ("deepspeed-key-nan",
+     mutated(lambda c: c["runs"]["deepspeed"]["train"].update(deepspeed={"gradient_clipping":
+                                                                         float("nan")})),
+     ("runs.deepspeed.train.deepspeed", "finite")),
     # Integers that would hang the planner or exhaust memory.
     ("nodes-1e9", DEFAULT_TEXT.replace("nodes: 1", "nodes: 1.0e+9"), ("cluster.nodes",)),
     ("gpus-absurd", set_("cluster.gpus_per_node", 10**6), ("cluster.gpus_per_node",)),
