@@ -2,7 +2,15 @@
 
 The checkpoint format's reader side (``pipeline.checkpoint`` writes and verifies the folders):
 consolidate streams weights out through it and tests compare engines' states with it. Callers
-verify the checkpoint (``pipeline.checkpoint.verify``) before trusting what it reads.
+verify the whole checkpoint (``pipeline.checkpoint.verify``) before opening any file of it.
+
+Untrusted bytes are data: a manifest can be rewritten along with the files, so nothing here
+unpickles except through an allow-list. DCP's ``.metadata`` (a plain pickle) goes through a
+restricted unpickler (:func:`load_dcp_metadata`: DCP's metadata classes, ``torch.Size``, dtypes,
+layouts, the checkpoint path), also inside ``dcp.load`` (:func:`dcp_load`, whose planner loads
+DCP's non-tensor entries with ``weights_only=True`` as well); DeepSpeed's ``*.pt`` files load
+with ``weights_only=True`` and DeepSpeed's few classes (:data:`DS_GLOBALS`, also for the
+engine's own resume: :func:`load_ds_file_for_engine`).
 
 * FSDP2 (DCP): ``dcp.load(..., no_dist=True)`` of one tensor (or a small group) at a time;
   DCP's reader seeks to each chunk of the tensor in the ``.distcp`` files.
