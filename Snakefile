@@ -6,6 +6,9 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
+# The default config. common.smk reads it again with every --configfile (pipeline.config_files:
+# a later file's `runs:` replaces the earlier runs, a duplicate YAML key is an error) and sets
+# `config` to the result; `python -m pipeline.config check FILE` does the same.
 configfile: "config/config.yaml"
 
 
