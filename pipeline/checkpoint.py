@@ -140,12 +140,12 @@ def verify(path: Path) -> str | None:
         meta = read_json(manifest)
     except (OSError, ValueError, RecursionError) as err:
         return f"manifest.json is not valid JSON ({err})"
-    files = _manifest_entries(path, meta)
-    if isinstance(files, str):
-        return files
     present = _present_files(path)
     if isinstance(present, str):
         return present
+    files = _manifest_entries(path, meta)
+    if isinstance(files, str):
+        return files
     unlisted = sorted(present - set(files) - {MANIFEST})
     if unlisted:
         return (f"{unlisted[0]} is not listed in manifest.json (a manifest accounts for every "

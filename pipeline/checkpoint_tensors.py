@@ -90,6 +90,10 @@ _DCP_GLOBALS = frozenset({
 })
 
 
+class _NotAllowed(pickle.UnpicklingError):
+    """A pickle named a global outside the allow-list."""
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """``pickle`` that resolves only the allow-listed globals (and torch's dtypes)."""
 
@@ -98,10 +102,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not on the allow-list")
+        raise _NotAllowed(f"{module}.{name} is not on the allow-list")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed")
+        raise _NotAllowed("persistent ids are not allowed")
 
 
 def load_dcp_metadata(stream: Any, path: Path | str) -> Any:
@@ -111,7 +115,7 @@ def load_dcp_metadata(stream: Any, path: Path | str) -> Any:
 
     try:
         meta = _RestrictedUnpickler(stream).load()
-    except pickle.UnpicklingError as err:
+    except _NotAllowed as err:
         raise PipelineError(
             f"{path}: refused to unpickle the DCP metadata ({err}); the checkpoint was not "
             "written by torch.distributed.checkpoint or was tampered with"
@@ -134,10 +138,16 @@ def safe_reader(dcp_dir: Path) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _SafeFileSystemReader(FileSystemReader):
+        refused: PipelineError | None = None  # DCP turns a failed read into its own message
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:
-                meta = load_dcp_metadata(stream, path)
+                try:
+                    meta = load_dcp_metadata(stream, path)
+                except PipelineError as err:
+                    self.refused = err
+                    raise
             if getattr(meta, "storage_meta", None) is None:
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id
@@ -176,10 +186,12 @@ def dcp_load(state: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = safe_reader(dcp_dir)
     try:
-        dcp.load(state, storage_reader=safe_reader(dcp_dir), planner=safe_planner(dcp_dir),
-                 no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=safe_planner(dcp_dir), no_dist=no_dist)
     except CheckpointException as err:
+        if reader.refused is not None:
+            raise reader.refused from None
         for exc, _trace in err.failures.values():
             if isinstance(exc, PipelineError):
                 raise exc from None

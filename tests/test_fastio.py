@@ -106,3 +106,96 @@ def test_a_sha256_manifest_of_an_older_checkpoint_still_verifies(tmp_path: Path)
     assert ck.verify(path) is None
     (path / "x.bin").write_bytes(b"hellp")
     assert ck.verify(path) == "x.bin does not match its checksum"
+
+
+# --- the manifest is the trust anchor: it accounts for every file, paths stay inside ---------
+
+
+def _final(root: Path, step: int = 7) -> Path:
+    _tmp_checkpoint(root, step)
+    return ck.finalize(root, step, {"backend": "fsdp"}, keep_last=5)
+
+
+def _edit(path: Path, fn) -> None:
+    meta = json.loads((path / ck.MANIFEST).read_text())
+    fn(meta)
+    (path / ck.MANIFEST).write_text(json.dumps(meta))
+
+
+def test_verify_refuses_files_the_manifest_does_not_account_for(tmp_path: Path) -> None:
+    final = _final(tmp_path / "checkpoints")
+    assert ck.verify(final) is None
+    (final / "dcp" / "extra.bin").write_bytes(b"planted")
+    assert ck.verify(final).startswith("dcp/extra.bin is not listed in manifest.json")
+    (final / "dcp" / "extra.bin").unlink()
+    _edit(final, lambda m: m.update(files={}))  # nothing listed: nothing vouched for
+    assert "lists no files" in ck.verify(final)
+    _edit(final, lambda m: m.pop("files"))
+    assert ck.verify(final) == "manifest.json has no 'files' key"
+    (final / ck.MANIFEST).write_text("[1, 2]")
+    assert ck.verify(final) == "manifest.json is not a JSON object"
+
+
+@pytest.mark.parametrize("rel", ["../outside.bin", "/etc/hostname", "dcp/../../outside.bin",
+                                 "./trainer.json", "dcp//a.distcp", ""])
+def test_verify_refuses_manifest_paths_that_are_not_plain_paths_inside(tmp_path: Path,
+                                                                         rel: str) -> None:
+    final = _final(tmp_path / "checkpoints")
+    (final.parent / "outside.bin").write_bytes(b"x")
+    entry = {fastio.DIGEST: fastio.digest_file(final.parent / "outside.bin"), "bytes": 1}
+    _edit(final, lambda m: m["files"].update({rel: entry}))
+    assert f"the path {rel!r}" in ck.verify(final)
+
+
+def test_verify_refuses_symbolic_links_and_bad_entries(tmp_path: Path) -> None:
+    final = _final(tmp_path / "checkpoints")
+    f = final / "dcp" / "a.distcp"
+    copy = tmp_path / "a.copy"
+    copy.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(copy)  # same bytes, same size and checksum: still refused
+    assert ck.verify(final) == "dcp/a.distcp is a symbolic link (a checkpoint holds only plain files)"
+    f.unlink()
+    copy.rename(f)
+    assert ck.verify(final) is None
+    _edit(final, lambda m: m["files"]["trainer.json"].pop("bytes"))
+    assert ck.verify(final) == "manifest.json: the entry of trainer.json has no valid 'bytes'"
+    link = tmp_path / "checkpoints" / "step-000009"
+    link.symlink_to(final, target_is_directory=True)
+    assert "symbolic link" in ck.verify(link)
+
+
+def test_dcp_metadata_is_unpickled_only_through_the_allow_list(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.checkpoint_tensors import DCPSource, dcp_load, read_dcp_metadata
+    from pipeline.errors import PipelineError
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)},
+             "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert set(read_dcp_metadata(tmp_path / "dcp").state_dict_metadata) >= {"model.w"}
+    src = DCPSource(tmp_path / "dcp")
+    assert torch.equal(dict(src.read(["w"]))["w"], state["model"]["w"])
+    back = {"model": {"w": torch.zeros(2, 3)},
+            "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "params": [0]}]}}
+    dcp_load(back, tmp_path / "dcp", no_dist=True)  # non-tensor entries: weights_only=True
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(PipelineError, match=r"\.metadata: refused to unpickle.*allow-list"):
+        DCPSource(tmp_path / "dcp")
+    with pytest.raises(PipelineError, match=r"\.metadata"):
+        dcp_load(back, tmp_path / "dcp", no_dist=True)
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(PipelineError, match="unreadable DCP metadata"):
+        read_dcp_metadata(tmp_path / "dcp")
+    assert not marker.exists()
