@@ -1,8 +1,8 @@
 """The render stage: one run's typed config → everything the train stage reads.
 
 ``python -m pipeline.render --config-json JSON --run NAME --out results/runs/NAME`` writes
-``config.json``, ``ds_config.json``, ``fsdp.json``, ``topology.json``, ``plan.md`` and
-``launch.json``. ``render_run`` is a pure function (typed config in, file contents out) so it is
+``config.json``, ``ds_config.json`` (deepspeed runs), ``fsdp.json`` (fsdp runs),
+``topology.json``, ``plan.md`` and ``launch.json``. ``render_run`` is a pure function (typed config in, file contents out) so it is
 tested against golden files; the CLI only writes what it returns.
 """
 
@@ -73,11 +73,11 @@ def planner_inputs(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
         activation_checkpointing=t.activation_checkpointing,
     )
     auto = t.strategy == "auto"
-    deepspeed = t.backend == "deepspeed"
+    deepspeed, fsdp = t.backend == "deepspeed", t.backend == "fsdp"
     strategy = Strategy(
         engine=t.backend,
         zero_stage=None if auto or not deepspeed else t.zero_stage,
-        fsdp_sharding=None if auto or deepspeed else t.fsdp_sharding,
+        fsdp_sharding=None if auto or not fsdp else t.fsdp_sharding,
         offload_optimizer=None if auto else t.offload_optimizer,
         offload_params=None if auto else t.offload_params,
         tp=t.tp,
@@ -95,7 +95,7 @@ def resolve_strategy(run: RunConfig, plan: Plan) -> RunConfig:
     }
     if chosen.engine == "deepspeed":
         train["zero_stage"] = chosen.zero_stage or 0
-    else:
+    elif chosen.engine == "fsdp":
         train["fsdp_sharding"] = chosen.fsdp_sharding
     data = run.model_dump(mode="json")
     data["train"].update(train)
@@ -177,8 +177,9 @@ def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
     }
     if t.backend == "deepspeed":
         files["ds_config.json"] = deep_merge(render_ds_config(plan, **ds_kwargs), t.deepspeed)
-    else:
+    elif t.backend == "fsdp":
         files["fsdp.json"] = render_fsdp_config(plan)
+    # ddp: no engine config file; the engine reads config.json (train.precision, loss_scale_*).
     return files
 
 

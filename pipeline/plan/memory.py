@@ -17,7 +17,9 @@ Two accountings of the *model states* (parameters, gradients, optimizer states):
     paper's K = 12 leaves out; ZeRO-3 adds 4 × the largest module (gathered fp16 working
     buffers); host RAM carries DeepSpeed's 1.5 "additional buffer factor". For the FSDP engine
     this accounting describes FSDP2's own storage instead (fp32 sharded parameters that double as
-    master weights, fp32 reduced gradients, Adam m and v, bf16 unsharded working layers).
+    master weights, fp32 reduced gradients, Adam m and v, bf16 unsharded working layers), and for
+    the ddp engine DDP's (everything whole on every GPU: 4 + 4 + 8 bytes/param fp32, plus the
+    autocast copy of the weights with bf16/fp16).
 
 That is also why the seed guide's ≈ 70 GB for a 7 B model is wrong: 70 GB is ~10 bytes per
 parameter (fp16 weights + fp16 grads + one fp32 copy), but mixed-precision Adam needs at least
@@ -59,6 +61,8 @@ DEEPSPEED_HOST_BUFFER_FACTOR = 1.5
 #: config docs for ``overlap_comm``; HF's DeepSpeed guide: 5e8 buckets → 9 GB =
 #: 5e8 × 2 bytes × 2 buckets × 4.5).
 OVERLAP_COMM_FACTOR = 4.5
+#: ``DistributedDataParallel``'s default gradient bucket (``bucket_cap_mb=25``).
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -213,6 +217,8 @@ def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
 def _shard_degrees(strategy: Strategy, dims: ParallelDims) -> tuple[int, int, int]:
     """Data-parallel degree over which (params, grads, optimizer states) are partitioned."""
     dp = dims.dp
+    if strategy.engine == "ddp":
+        return (1, 1, 1)  # DistributedDataParallel replicates everything
     if strategy.engine == "deepspeed":
         stage = strategy.zero_stage
         return (dp if stage == 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1)
@@ -267,6 +273,8 @@ def estimate_memory(*, model: ModelShape, dims: ParallelDims, strategy: Strategy
             psi=psi, largest=_largest(model, dims), stage=strategy.zero_stage,
             dp=dims.dp, world=dims.world, gpn=gpn, nodes=dims.nodes, pb=pb, mixed=mixed,
             off_opt=off_opt, off_par=off_par)
+    elif strategy.engine == "ddp":
+        params, grads, optim, host, host_offload = _ddp_states(psi=psi, pb=pb, mixed=mixed)
     else:
         params, grads, optim, host, host_offload = _fsdp_states(
             psi=psi, unit=decoder_unit_params(model, tp=dims.tp), shards=(p_shard, g_shard,
@@ -376,12 +384,25 @@ def _fsdp_states(*, psi: int, unit: int, shards: tuple[int, int, int], sharding:
     return params, grads, optim, 0.0, 0.0
 
 
+def _ddp_states(*, psi: int, pb: int, mixed: bool) -> tuple[float, float, float, float, float]:
+    """``DistributedDataParallel`` with native AMP, the ZeRO-0 baseline: fp32 parameters (the
+    master weights) plus, with autocast, their bf16/fp16 copies cast in forward and kept for
+    backward; fp32 gradients (they are the all-reduce buckets: ``gradient_as_bucket_view``);
+    Adam m and v. Nothing is sharded or offloaded; the start-up copy on the host is not counted
+    (as for FSDP2: the model is built on the host and moved)."""
+    params = 4 * psi + (pb * psi if mixed else 0)
+    return params, 4 * psi, 8 * psi, 0.0, 0.0
+
+
 def _comm_buffers(*, strategy: Strategy, psi: int, pb: int, unit: int) -> float:
     """Communication buckets. DeepSpeed: reduce + all-gather (ZeRO-3: prefetch) buckets, capped
     at the model size, × 4.5 with ``overlap_comm``. FSDP: one layer's fp32 reduce-scatter
     buffer."""
     if strategy.engine == "fsdp":
         return 4 * unit
+    if strategy.engine == "ddp":
+        # The gradients are the buckets; the collective's working copy is about one bucket.
+        return min(DDP_BUCKET_BYTES, 4 * psi)
     reduce = min(strategy.reduce_bucket_size, psi)
     gather = min(strategy.allgather_bucket_size, psi) if strategy.zero_stage else 0
     factor = OVERLAP_COMM_FACTOR if strategy.overlap_comm and strategy.zero_stage else 1.0

@@ -150,6 +150,14 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
             f"{KEYS['offload_optimizer']}: FSDP2's CPUOffloadPolicy offloads parameters, "
             f"gradients and optimizer states together; set {KEYS['offload_optimizer']} and "
             f"{KEYS['offload_params']} to the same value, or use train.backend=deepspeed"))
+    if chosen.engine == "ddp" and (chosen.offload_optimizer or chosen.offload_params):
+        errors.append(PipelineError(
+            f"{KEYS['offload_optimizer']}/{KEYS['offload_params']}: train.backend=ddp keeps every "
+            f"state on the GPU; drop the offload, or use train.backend=deepspeed or fsdp"))
+    if chosen.engine == "ddp" and (dims.tp > 1 or dims.pp > 1):
+        errors.append(PipelineError(
+            f"{KEYS['tp']}/{KEYS['pp']}: train.backend=ddp is data parallel only (tp = pp = 1); "
+            f"use train.backend=fsdp for tensor or pipeline parallelism"))
     if chosen.engine == "deepspeed" and chosen.offload_params and chosen.zero_stage != 3:
         errors.append(PipelineError(
             f"{KEYS['offload_params']}: parameter offload needs ZeRO-3 (got ZeRO-"
@@ -161,6 +169,9 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
                if the_plan.suggestion else
                "no rung of the ladder fits: add GPUs, shorten data.seq_len or lower "
                f"{KEYS['micro_batch_size']}")
+        if chosen.engine == "ddp":
+            fix += ("; ddp replicates every state on every GPU: train.backend=fsdp or deepspeed "
+                    "shards them")
         errors.append(PipelineError(
             f"{KEYS['gpu_mem_gb']}: '{chosen.label()}' needs {mem.total / GB:.1f} GB per GPU, "
             f"{(mem.total - the_plan.gpu_budget) / GB:.1f} GB more than the "

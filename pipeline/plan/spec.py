@@ -144,7 +144,8 @@ class Strategy:
     """How the model is spread over the GPUs. ``None`` fields are chosen by the ``auto`` ladder."""
 
     engine: Engine = "deepspeed"
-    """Training backend: ``deepspeed`` (ZeRO stages) or ``fsdp`` (FSDP2 ``fully_shard``)."""
+    """Training backend: ``deepspeed`` (ZeRO stages), ``fsdp`` (FSDP2 ``fully_shard``) or ``ddp``
+    (``DistributedDataParallel``: nothing sharded, like ZeRO-0)."""
 
     zero_stage: int | None = None
     """DeepSpeed ZeRO stage 0–3 (0 = plain data parallel); ``None`` = auto."""
@@ -189,6 +190,12 @@ class Strategy:
         if self.engine == "deepspeed" and self.fsdp_sharding is not None:
             raise PipelineError(f"{KEYS['fsdp_sharding']}: set only with train.backend=fsdp; "
                                 f"for deepspeed use {KEYS['zero_stage']}")
+        if self.engine == "ddp" and self.zero_stage is not None:
+            raise PipelineError(f"{KEYS['zero_stage']}: set only with train.backend=deepspeed; "
+                                "ddp shards nothing (every rank holds the whole model)")
+        if self.engine == "ddp" and self.fsdp_sharding is not None:
+            raise PipelineError(f"{KEYS['fsdp_sharding']}: set only with train.backend=fsdp; "
+                                "ddp shards nothing (every rank holds the whole model)")
         for key in ("tp", "pp"):
             value = getattr(self, key)
             if value is not None:
@@ -201,7 +208,7 @@ class Strategy:
     @property
     def is_resolved(self) -> bool:
         """Every choice made (no ``None`` left): a rung of the ladder, not a request."""
-        sharding = self.zero_stage if self.engine == "deepspeed" else self.fsdp_sharding
+        sharding = {"deepspeed": self.zero_stage, "fsdp": self.fsdp_sharding}.get(self.engine, 0)
         return None not in (sharding, self.offload_optimizer, self.offload_params, self.tp, self.pp)
 
     @property
@@ -209,12 +216,16 @@ class Strategy:
         """Parameters partitioned over data-parallel ranks (ZeRO-3, FULL/HYBRID_SHARD)."""
         if self.engine == "deepspeed":
             return self.zero_stage == 3
+        if self.engine == "ddp":
+            return False
         return self.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
 
     def label(self) -> str:
         """Short human name of a resolved strategy, e.g. ``ZeRO-2 + optimizer offload``."""
         if self.engine == "deepspeed":
             base = "DP (ZeRO-0)" if self.zero_stage == 0 else f"ZeRO-{self.zero_stage}"
+        elif self.engine == "ddp":
+            base = "DDP"
         else:
             base = f"FSDP {self.fsdp_sharding}"
         parts = [base]

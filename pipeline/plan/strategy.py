@@ -195,6 +195,10 @@ def ladder(model: ModelShape, cluster: Cluster, engine: str = "deepspeed", *,
         # DeepSpeed's PipelineEngine supports ZeRO ≤ 1.
         out += [ds(1, tp=t, pp=p) for p in _pp_candidates(model, cluster)
                 for t in [1, *_tp_candidates(model, cluster)]]
+    elif engine == "ddp":
+        # DistributedDataParallel: one rung, nothing sharded or offloaded, data parallel only.
+        out.append(Strategy(engine="ddp", offload_optimizer=False, offload_params=False, tp=1,
+                            pp=1))
     else:
         def fs(sharding: str, off: bool = False, tp: int = 1, pp: int = 1) -> Strategy:
             return Strategy(engine="fsdp", fsdp_sharding=sharding,  # type: ignore[arg-type]
@@ -225,7 +229,7 @@ def _fill(request: Strategy) -> Strategy:
                                 "pp": 1}
     if request.engine == "deepspeed":
         defaults["zero_stage"] = 1
-    else:
+    elif request.engine == "fsdp":
         defaults["fsdp_sharding"] = "FULL_SHARD"
     return replace(request, **{k: v for k, v in defaults.items()
                                if getattr(request, k) is None})
@@ -246,6 +250,9 @@ def _comm_bytes(strategy: Strategy, dims: ParallelDims, model: ModelShape, batch
     if strategy.engine == "deepspeed":
         per = {0: 2 * psi_local, 1: 2 * psi_local, 2: psi_local * (gas + 1),
                3: 3 * psi_local * gas}[strategy.zero_stage or 0]
+    elif strategy.engine == "ddp":
+        # One bucketed all-reduce of the fp32 gradients per step (no_sync while accumulating).
+        pb, per = 4, 2 * psi_local
     else:
         per = {"NO_SHARD": 2 * psi_local, "SHARD_GRAD_OP": psi_local * (gas + 1)}.get(
             strategy.fsdp_sharding or "", 3 * psi_local * gas)

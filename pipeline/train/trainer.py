@@ -228,6 +228,11 @@ class Trainer:
 
             # DeepSpeed builds its own groups (it takes sizes, not a DeviceMesh): pure DP here.
             return DeepSpeedEngine(model, self.run, read_json(self.run_dir / DS_CONFIG))
+        if t.backend == "ddp":
+            from pipeline.train.ddp import DDPEngine
+
+            # DistributedDataParallel over the default group: pure DP, no mesh needed.
+            return DDPEngine(model, self.run, self.device)
         from pipeline.train.engines import FSDPEngine
 
         self.mesh = build_mesh(self.dims, self.device.type, t.fsdp_sharding)
@@ -286,6 +291,10 @@ class Trainer:
                     else tps * self.flops_per_token / (self.peak_flops * world)),
             "peak_mem_gb": peak_mem_gb(self.device),
         }
+        # Engine-specific fields (ddp fp16: loss_scale, scaler_skipped, skipped_steps).
+        extra = getattr(self.engine, "step_metrics", None)
+        if extra is not None:
+            rec.update(extra())
         self.rec.step(rec)
         return rec
 

@@ -1,0 +1,210 @@
+"""The ddp engine (issue 11, the guide's first row): DistributedDataParallel with native AMP.
+
+Real ``torchrun`` with 2 CPU processes on gloo (one run with 1 process), the real trainer, a
+tiny Llama on test_resume's tokenized data (the same data config, built the same way). All first
+runs start together so that their start-up costs overlap:
+
+- ``fsdp`` / ``ddp``: fp32 with the same global batch, gradient clipping off: equal losses
+  within 1e-5 relative (AdamW; pure data parallelism changes only the reduction order);
+- ``ddp1``: one process, 4 × the accumulation (same global batch) and activation checkpointing
+  on every decoder layer: the same losses again;
+- ``bf16``: autocast bf16 (fp32 master weights) within bf16 tolerance of fp32, and not equal;
+- ``fp16``: autocast fp16 + GradScaler with a loss scale so high that the first steps
+  overflow: those steps are skipped and counted in metrics.jsonl, then the loss falls;
+- ``fp16stop``: the same run stopped after a few steps (STOP file: a checkpoint with the
+  scaler's state) and resumed: the uninterrupted run's losses, scales and skip counts, bit
+  for bit;
+- the ``ddp`` checkpoint consolidates (the DCP reader, unchanged) into a directory whose
+  ``from_pretrained`` model gives the engine's probe logits exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import PY, subprocess_env
+from tests.test_resume import CONFIG as RESUME_CONFIG
+from tests.test_resume import run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+BASE = {
+    "data": RESUME_CONFIG["data"],
+    "model": RESUME_CONFIG["model"],
+    "cluster": {"nodes": 1, "gpus_per_node": 2},
+    "train": {"micro_batch_size": 4, "grad_accum": 2, "max_steps": STEPS, "warmup_steps": 2,
+              "checkpoint_every": 5, "keep_last": 2, "grad_clip": 0.0},
+}
+# Gradients of this model overflow fp16 above a loss scale of about 2^20: the first steps, and
+# the first step after each growth of the scale, are skipped.
+FP16 = {"backend": "ddp", "precision": "fp16", "loss_scale_init": 2.0**22,
+        "loss_scale_growth_interval": 4}
+RUNS = {
+    "fsdp": {},
+    "ddp": {"train": {"backend": "ddp"}},
+    "ddp1": {"cluster": {"gpus_per_node": 1},
+             "train": {"backend": "ddp", "grad_accum": 4, "activation_checkpointing": True}},
+    "bf16": {"train": {"backend": "ddp", "precision": "bf16"}},
+    "fp16": {"train": FP16},
+    "fp16stop": {"train": FP16},
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """test_resume's tokenized data (same sources, tokenizer and shards), built once here."""
+    from pipeline.config import expand_sources, parse_config
+
+    work = tmp_path_factory.mktemp("ddp-data")
+    files = [str(f) for f in expand_sources(parse_config(RESUME_CONFIG).data.sources)]
+    out = work / "data"
+    run_cli("pipeline.tokenizer", "train", "--input", *files, "--vocab-size", "384",
+            "--out", str(out / "tokenizer"), "--format", "txt")
+    for shard in range(2):
+        run_cli("pipeline.tokenize", "shard", "--input", *files, "--tokenizer",
+                str(out / "tokenizer"), "--seq-len", "32", "--shards", "2", "--shard", str(shard),
+                "--out", str(out), "--format", "txt", "--val-fraction", "0.1")
+    run_cli("pipeline.tokenize", "gather", "--out", str(out), "--shards", "2",
+            "--tokenizer", str(out / "tokenizer"))
+    return out
+
+
+def torchrun(run_dir: Path, data_dir: Path, nproc: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         "-m", "pipeline.train", "worker", "--run-dir", str(run_dir), "--data-dir", str(data_dir)],
+        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """Step → its metrics record (a resumed run repeats steps: the last record wins)."""
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return dict(sorted(out.items()))
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [rec["loss"] for rec in metrics(run_dir).values()]
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == STEPS, (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir) -> dict[str, Path]:
+    """Every run rendered by the render stage and trained by the worker under torchrun; the
+    ``fp16stop`` run is stopped after 3+ steps, then resumed to the end."""
+    work = data_dir.parent
+    cfg = {**BASE, "runs": RUNS}
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    dirs = {name: work / "runs" / name for name in RUNS}
+    for name, run_dir in dirs.items():
+        run_cli("pipeline.render", "--config", str(work / "config.yaml"), "--run", name,
+                "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
+    nproc = {name: (RUNS[name].get("cluster") or {}).get("gpus_per_node", 2) for name in RUNS}
+    procs = {name: torchrun(dirs[name], data_dir, nproc[name]) for name in RUNS}
+    stop = dirs["fp16stop"]
+    while (not (stop / "metrics.jsonl").exists()
+           or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
+        if procs["fp16stop"].poll() is not None:
+            break
+        time.sleep(0.005)
+    (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
+    errors = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        # The stopped run's ranks exit 75 (requeue); torchrun reports that as a failure.
+        if (proc.returncode != 0) != (name == "fp16stop"):
+            errors[name] = (proc.returncode, err[-3000:])
+    assert not errors, errors
+    stopped = json.loads((stop / "stopped.json").read_text())["step"]
+    assert 3 <= stopped < STEPS
+    (stop / "STOP").unlink()
+    proc = torchrun(stop, data_dir, 2)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return dirs
+
+
+def test_ddp_fp32_equals_fsdp_with_the_same_global_batch(runs):
+    fsdp = losses(runs["fsdp"])
+    assert all(math.isfinite(x) for x in fsdp) and fsdp[-1] < fsdp[0]
+    assert max_rel(losses(runs["ddp"]), fsdp) < 1e-5
+    # One process with 4 micro batches per step (DDP over a group of one), each decoder layer
+    # recomputed in backward: still the same experiment.
+    assert max_rel(losses(runs["ddp1"]), fsdp) < 1e-5
+    manifest = json.loads(
+        (runs["ddp"] / "checkpoints" / "step-000010" / "manifest.json").read_text())
+    assert manifest["backend"] == "ddp" and manifest["world_size"] == 2
+    assert not (runs["ddp"] / "ds_config.json").exists()
+    assert not (runs["ddp"] / "fsdp.json").exists()
+    assert "DDP" in (runs["ddp"] / "plan.md").read_text()
+
+
+def test_bf16_autocast_matches_fp32_within_bf16_tolerance(runs):
+    fp32, bf16 = losses(runs["ddp"]), losses(runs["bf16"])
+    assert bf16 != fp32  # autocast really ran in bf16
+    assert max_rel(bf16, fp32) < 2e-2
+    assert "loss_scale" not in metrics(runs["bf16"])[1]  # no scaler without fp16
+
+
+def test_fp16_with_grad_scaler_skips_overflowing_steps_and_trains(runs):
+    recs = list(metrics(runs["fp16"]).values())
+    assert len(recs) == STEPS and all(math.isfinite(r["loss"]) for r in recs)
+    skipped = [r["scaler_skipped"] for r in recs]
+    assert skipped[0], "the first step with a 2^22 loss scale must overflow in fp16"
+    assert [r["skipped_steps"] for r in recs] == [sum(skipped[: i + 1]) for i in range(STEPS)]
+    # A skip halves the scale (the first one from loss_scale_init); 4 good steps double it.
+    assert recs[0]["loss_scale"] == 2.0**21
+    for prev, rec in itertools.pairwise(recs):
+        factor = 0.5 if rec["scaler_skipped"] else 1.0
+        assert rec["loss_scale"] in (prev["loss_scale"] * factor, prev["loss_scale"] * 2)
+    real = [r for r in recs if not r["scaler_skipped"]]
+    assert len(real) >= 5 and all(math.isfinite(r["grad_norm"]) for r in real)
+    # A skipped step does not advance the learning-rate schedule: the real steps use the
+    # schedule's rates in order (those of the fp32 run, which skips nothing).
+    schedule = [rec["lr"] for rec in metrics(runs["fsdp"]).values()]
+    assert [r["lr"] for r in real] == schedule[: len(real)]
+    assert real[-1]["loss"] < real[0]["loss"] - 0.03
+
+
+def test_stopped_fp16_run_resumes_with_the_uninterrupted_losses_and_scaler(runs):
+    ref, got = metrics(runs["fp16"]), metrics(runs["fp16stop"])
+    assert list(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "scaler_skipped"):
+            a, b = got[step][key], ref[step][key]
+            same = a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+            assert same, (step, key, a, b)  # a skipped step's grad norm is nan or inf
+    assert {r["attempt"] for r in got.values()} == {1, 2}
+
+
+def test_ddp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.consolidate import consolidate
+
+    out = consolidate(runs["ddp"], data_dir, data_dir.parent / "hf-ddp")
+    probe = load_file(str(runs["ddp"] / "probe_logits.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype="auto")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits.float()
+    assert model.dtype == torch.float32
+    assert torch.equal(logits, probe["logits"]), (logits - probe["logits"]).abs().max()
