@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from pipeline.artifacts import inside
 from pipeline.errors import PipelineError
 
 #: Small tensors are read from DCP in groups up to this many bytes (one ``dcp.load`` call has
@@ -127,6 +128,19 @@ def load_dcp_metadata(stream: Any, path: Path | str) -> Any:
     return meta
 
 
+def _check_storage_paths(meta: Any, dcp_dir: Path, path: Any) -> None:
+    """The files DCP's storage index points at are plain names inside the checkpoint's folder
+    (a crafted index could otherwise read any file into a tensor)."""
+    storage = getattr(meta, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise PipelineError(f"{path}: the DCP metadata has no storage index")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
+            raise PipelineError(f"{path}: the DCP storage index names {rel!r}, not a file of {dcp_dir}")
+        inside(dcp_dir, rel)
+
+
 def read_dcp_metadata(dcp_dir: Path) -> Any:
     """The ``Metadata`` of a DCP checkpoint folder, unpickled through the allow-list."""
     return safe_reader(dcp_dir).read_metadata()
@@ -148,6 +162,7 @@ def safe_reader(dcp_dir: Path) -> Any:
                 except PipelineError as err:
                     self.refused = err
                     raise
+            _check_storage_paths(meta, dcp_dir, path)
             if getattr(meta, "storage_meta", None) is None:
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id

@@ -184,6 +184,18 @@ def test_dcp_metadata_is_unpickled_only_through_the_allow_list(tmp_path: Path) -
     dcp_load(back, tmp_path / "dcp", no_dist=True)  # non-tensor entries: weights_only=True
     assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
 
+    # The storage index may name only files of the folder (not ../ or absolute paths).
+    meta = read_dcp_metadata(tmp_path / "dcp")
+    good = (tmp_path / "dcp" / ".metadata").read_bytes()
+    for bad in ("../outside.distcp", "/etc/hostname"):
+        for info in meta.storage_data.values():
+            info.relative_path = bad
+        (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+        with pytest.raises(PipelineError, match="storage index names"):
+            DCPSource(tmp_path / "dcp")
+    (tmp_path / "dcp" / ".metadata").write_bytes(good)
+    assert DCPSource(tmp_path / "dcp").tensors["w"].shape == (2, 3)
+
     marker = tmp_path / "PWNED"
 
     class Payload:
