@@ -16,6 +16,8 @@ runs start together so that their start-up costs overlap:
   for bit;
 - the ``ddp`` checkpoint consolidates (the DCP reader, unchanged) into a directory whose
   ``from_pretrained`` model gives the engine's probe logits exactly.
+
+The planner, render and config checks for ddp (no processes) close the file.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from safetensors.torch import load_file
 from tests.conftest import PY, subprocess_env
 from tests.test_resume import CONFIG as RESUME_CONFIG
 from tests.test_resume import run_cli
-
-pytestmark = pytest.mark.slow
 
 STEPS = 10
 BASE = {
@@ -142,6 +142,7 @@ def runs(data_dir) -> dict[str, Path]:
     return dirs
 
 
+@pytest.mark.slow
 def test_ddp_fp32_equals_fsdp_with_the_same_global_batch(runs):
     fsdp = losses(runs["fsdp"])
     assert all(math.isfinite(x) for x in fsdp) and fsdp[-1] < fsdp[0]
@@ -157,6 +158,7 @@ def test_ddp_fp32_equals_fsdp_with_the_same_global_batch(runs):
     assert "DDP" in (runs["ddp"] / "plan.md").read_text()
 
 
+@pytest.mark.slow
 def test_bf16_autocast_matches_fp32_within_bf16_tolerance(runs):
     fp32, bf16 = losses(runs["ddp"]), losses(runs["bf16"])
     assert bf16 != fp32  # autocast really ran in bf16
@@ -164,6 +166,7 @@ def test_bf16_autocast_matches_fp32_within_bf16_tolerance(runs):
     assert "loss_scale" not in metrics(runs["bf16"])[1]  # no scaler without fp16
 
 
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_skips_overflowing_steps_and_trains(runs):
     recs = list(metrics(runs["fp16"]).values())
     assert len(recs) == STEPS and all(math.isfinite(r["loss"]) for r in recs)
@@ -184,6 +187,7 @@ def test_fp16_with_grad_scaler_skips_overflowing_steps_and_trains(runs):
     assert real[-1]["loss"] < real[0]["loss"] - 0.03
 
 
+@pytest.mark.slow
 def test_stopped_fp16_run_resumes_with_the_uninterrupted_losses_and_scaler(runs):
     ref, got = metrics(runs["fp16"]), metrics(runs["fp16stop"])
     assert list(got) == list(range(1, STEPS + 1))
@@ -195,6 +199,7 @@ def test_stopped_fp16_run_resumes_with_the_uninterrupted_losses_and_scaler(runs)
     assert {r["attempt"] for r in got.values()} == {1, 2}
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):
     from transformers import AutoModelForCausalLM
 
@@ -208,3 +213,68 @@ def test_ddp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):
         logits = model(input_ids=probe["input_ids"]).logits.float()
     assert model.dtype == torch.float32
     assert torch.equal(logits, probe["logits"]), (logits - probe["logits"]).abs().max()
+
+
+# -- planner, render and config (no processes) ---------------------------------------------------
+
+
+def _llama7b_plan(engine: str, precision: str, **strategy):
+    from pipeline.plan import BatchSpec, Cluster, Strategy, check, resolve_model
+
+    return check(model=resolve_model("llama2-7b"),
+                 cluster=Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=80),
+                 batch=BatchSpec(seq_len=4096, micro_batch_size=1, precision=precision),
+                 strategy=Strategy(engine=engine, **strategy))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_planner_counts_ddp_as_zero_0_with_fp32_master_weights(precision):
+    plan, _ = _llama7b_plan("ddp", precision)
+    psi = plan.model.num_params()
+    mem = plan.memory
+    assert plan.strategy.label() == "DDP" and plan.dims.dp == 8
+    # Nothing sharded: fp32 params (+ the autocast copy), fp32 grads, Adam m and v, per GPU.
+    assert mem.params == 4 * psi + (0 if precision == "fp32" else 2 * psi)
+    assert (mem.grads, mem.optimizer) == (4 * psi, 8 * psi)
+    if precision == "fp32":  # the same model states as DeepSpeed's plain data parallelism
+        zero0, _ = _llama7b_plan("deepspeed", "fp32", zero_stage=0)
+        assert zero0.memory.model_states == mem.model_states
+    # 7 B does not fit replicated on 80 GB: the pre-flight says so and names the sharding engines.
+    _, errors = _llama7b_plan("ddp", precision)
+    assert any("train.backend=fsdp or deepspeed" in str(e) for e in errors), errors
+
+
+def test_planner_refuses_what_ddp_cannot_run():
+    from pipeline.errors import PipelineError
+    from pipeline.plan import Strategy
+
+    for key, value in (("zero_stage", 1), ("fsdp_sharding", "FULL_SHARD")):
+        with pytest.raises(PipelineError, match=key):
+            Strategy(engine="ddp", **{key: value})
+    _, errors = _llama7b_plan("ddp", "bf16", offload_optimizer=True)
+    assert any("keeps every state on the GPU" in str(e) for e in errors), errors
+    _, errors = _llama7b_plan("ddp", "bf16", tp=2)
+    assert any("data parallel only" in str(e) for e in errors), errors
+
+
+@pytest.mark.parametrize("strategy", ["manual", "auto"])
+def test_render_of_a_ddp_run_writes_no_engine_config(strategy):
+    from pipeline.config import parse_run_config
+    from pipeline.render import render_run
+
+    run = parse_run_config({**BASE, "name": "r", "train": {
+        **BASE["train"], "backend": "ddp", "precision": "fp16", "strategy": strategy}})
+    files = render_run(run, vocab_size=384)
+    assert "ds_config.json" not in files and "fsdp.json" not in files
+    assert files["config.json"]["train"]["backend"] == "ddp"
+    assert files["plan.json"]["engine"] == "ddp" and files["plan.json"]["strategy"] == "DDP"
+
+
+def test_fp16_needs_a_loss_scaler():
+    from pydantic import ValidationError
+
+    from pipeline.config import TrainConfig
+
+    assert TrainConfig(backend="ddp", precision="fp16").loss_scale_init == 2.0**16
+    with pytest.raises(ValidationError, match="fp16 needs loss scaling"):
+        TrainConfig(backend="fsdp", precision="fp16")
