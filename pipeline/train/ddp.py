@@ -22,6 +22,7 @@ a checkpoint loads on any world size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,6 @@ class DDPEngine:
                               enabled=self.amp_dtype is not None)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
-        import contextlib
-
         n = len(micro_batches)
         total = 0.0
         for i, ids in enumerate(micro_batches):

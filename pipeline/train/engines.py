@@ -1,6 +1,8 @@
-"""The two training engines behind one small interface.
+"""The training engines behind one small interface: FSDP2 and DeepSpeed here, plain
+``DistributedDataParallel`` with native AMP in ``ddp.py``.
 
-The trainer (``trainer.py``) only calls ``train_step``, ``save``, ``load`` and ``logits``; which
+The trainer (``trainer.py``) only calls ``train_step``, ``save``, ``load`` and ``logits`` (and,
+when an engine has it, ``step_metrics`` for extra fields of the step's metrics record); which
 engine runs is one config key (``train.backend``).
 """
 
