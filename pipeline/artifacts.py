@@ -330,12 +330,16 @@ def read_run_config_json(run_dir: Path) -> dict[str, Any]:
                          hint="run the render stage first")
 
 
-def inside(base: Path, rel: str) -> Path:
-    """``base / rel`` when it stays inside ``base`` (paths read from artifacts are data)."""
+def inside(base: Path, rel: str, source: Path | None = None) -> Path:
+    """``base / rel`` when it stays inside ``base`` (paths read from artifacts are data);
+    ``source``: the file ``rel`` was read from, named in the error."""
     path = (base / rel).resolve()
     root = base.resolve()
     if path != root and root not in path.parents:
-        raise PipelineError(f"path {rel!r} read from an artifact leaves {base}")
+        where = f"{source}: " if source is not None else ""
+        raise PipelineError(f"{where}path {rel!r} read from an artifact leaves {base}: the "
+                            "file was edited or is not this folder's; rewrite it with the "
+                            "stage that made it")
     return path
 
 

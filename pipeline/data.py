@@ -104,7 +104,7 @@ class PackedDataset:
         self.seq_len: int = int(self.manifest["seq_len"])
         self.entries: list[dict] = self.manifest["splits"][split]["shards"]
         # Shard paths are data read from a file: they stay inside the data directory.
-        self.paths = [af.inside(self.data_dir, e["path"]) for e in self.entries]
+        self.paths = [af.inside(self.data_dir, e["path"], mp) for e in self.entries]
         self.offsets = np.cumsum([0] + [int(e["sequences"]) for e in self.entries])
         self._shards: dict[int, _Shard] = {}
         # Row address table, filled as shards open: global row -> (block, row in block), so a

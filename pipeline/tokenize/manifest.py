@@ -135,7 +135,7 @@ def _split(out: Path, stats: list[dict], split: str) -> dict:
     entries = []
     for st in stats:
         e = st["splits"][split]
-        p = inside(out, e["path"])
+        p = inside(out, e["path"], stats_path(out, st["shard"]))
         if not p.is_file() or p.stat().st_size != e["bytes"]:
             raise PipelineError(
                 f"{p} is missing or has the wrong size ({e['bytes']} bytes expected): rerun "
