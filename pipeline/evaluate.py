@@ -84,11 +84,6 @@ def _perplexity(torch: Any, model: Any, sequences: np.ndarray, byte_lengths: np.
     return out
 
 
-#: The per-step fields the plots and the report read; a record missing one (or holding
-#: something that is not a number) is skipped like a line cut by a crash.
-_PLOTTED = ("loss", "lr", "tokens_seen", "tokens_per_s")
-
-
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -96,12 +91,20 @@ def _number(v: Any) -> bool:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """metrics.jsonl, keeping the last record of each step (a resumed run repeats some); a
     line cut by a crash is skipped (``pipeline.artifacts.read_jsonl``), and so is a record
-    without an integer step or with a plotted field that is not a number."""
-    by_step = {
-        rec["step"]: rec for rec in af.read_jsonl(path)
-        if type(rec.get("step")) is int and all(_number(rec.get(k)) for k in _PLOTTED)
-    }
+    without an integer step. Plots and the report use a field only where it is a number."""
+    by_step = {rec["step"]: rec for rec in af.read_jsonl(path) if type(rec.get("step")) is int}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """``(xs, ys)`` of the records where both fields are numbers."""
+    pts = [(r[x], r[y]) for r in records if _number(r.get(x)) and _number(r.get(y))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _final_loss(records: list[dict[str, Any]]) -> float | None:
+    losses = [r["loss"] for r in records if _number(r.get("loss"))]
+    return losses[-1] if losses else None
 
 
 def plot_training(records: list[dict[str, Any]], png: Path, val_loss: float | None) -> None:
@@ -112,15 +115,15 @@ def plot_training(records: list[dict[str, Any]], png: Path, val_loss: float | No
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    tokens = [r["tokens_seen"] for r in records]
-    axes[0].plot(tokens, [r["loss"] for r in records], label="train")
+    tokens, losses = _series(records, "tokens_seen", "loss")
+    axes[0].plot(tokens, losses, label="train")
     if val_loss is not None and tokens:
         axes[0].scatter([tokens[-1]], [val_loss], color="C3", zorder=3, label="validation")
     axes[0].set(xlabel="tokens", ylabel="loss", title="loss")
     axes[0].legend()
-    axes[1].plot([r["step"] for r in records], [r["lr"] for r in records])
+    axes[1].plot(*_series(records, "step", "lr"))
     axes[1].set(xlabel="step", ylabel="learning rate", title="learning rate")
-    axes[2].plot([r["step"] for r in records], [r["tokens_per_s"] for r in records])
+    axes[2].plot(*_series(records, "step", "tokens_per_s"))
     axes[2].set(xlabel="step", ylabel="tokens/s", title="throughput")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -306,7 +309,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
             "validation_sequences": len(val),
             "step": origin["step"],
             "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
-            "final_train_loss": records[-1]["loss"] if records else None,
+            "final_train_loss": _final_loss(records),
             "samples": samples,
         }
         write_json_atomic(tmp / af.EVAL_METRICS, metrics)
@@ -317,7 +320,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
 
 
 def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
-    tps = [r["tokens_per_s"] for r in records]
+    tps = _series(records, "step", "tokens_per_s")[1]
     lines = [
         f"# Run `{run}`",
         "",
