@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,51 @@ def test_an_empty_folder_is_replaceable(tmp_path: Path) -> None:
     with af.replacing_dir(dest, "mark.json") as tmp:
         (tmp / "mark.json").write_text("{}")
     assert (dest / "mark.json").is_file()
+
+
+def _manifest() -> dict:
+    shard = {"path": "shards/train/shard-00000.arrow", "sha256": "0" * 64, "bytes": 10,
+             "sequences": 1}
+    return {"format": 1, "seq_len": 8,
+            "tokenizer": {"path": "tokenizer", "vocab_size": 300, "eos_id": 0, "bos_id": None},
+            "splits": {"train": {"shards": [shard]}, "validation": {"shards": []}}}
+
+
+@pytest.mark.parametrize(("edit", "key"), [
+    (lambda m: m.pop("seq_len"), "'seq_len'"),
+    (lambda m: m.__setitem__("seq_len", "8"), "'seq_len'"),
+    (lambda m: m.pop("tokenizer"), "'tokenizer'"),
+    (lambda m: m["tokenizer"].__setitem__("eos_id", 300), "'tokenizer.eos_id'"),
+    (lambda m: m["tokenizer"].__setitem__("bos_id", -1), "'tokenizer.bos_id'"),
+    (lambda m: m["splits"].pop("validation"), "'splits.validation'"),
+    (lambda m: m["splits"]["train"]["shards"][0].pop("sha256"), "'splits.train.shards[0].sha256'"),
+    (lambda m: m["splits"]["train"]["shards"][0].__setitem__("bytes", True),
+     "'splits.train.shards[0].bytes'"),
+])
+def test_data_manifest_is_checked_key_by_key(tmp_path: Path, edit, key: str) -> None:
+    import json
+
+    af.check_data_manifest(_manifest(), tmp_path / "manifest.json")  # the whole one passes
+    m = _manifest()
+    edit(m)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PipelineError, match=rf"manifest\.json: .*{re.escape(key)}.*gather"):
+        af.read_data_manifest(tmp_path)
+
+
+def test_inside_names_the_file_the_path_came_from(tmp_path: Path) -> None:
+    with pytest.raises(PipelineError, match=r"stats\.json: path '\.\./x' .* leaves"):
+        af.inside(tmp_path, "../x", tmp_path / "stats.json")
+
+
+def test_json_readers_neither_hang_on_a_fifo_nor_crash_on_deep_nesting(tmp_path: Path) -> None:
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)
+    assert af.read_jsonl(fifo) == [] and af.read_json_or_none(fifo) is None
+    with pytest.raises(PipelineError, match="unreadable"):
+        af.read_artifact(fifo, "metrics")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    assert af.read_json_or_none(deep) is None and af.read_jsonl(deep) == []
+    with pytest.raises(PipelineError, match="unreadable"):
+        af.read_artifact(deep, "deep thing")

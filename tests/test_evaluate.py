@@ -39,3 +39,16 @@ def test_without_lm_eval_the_harness_is_skipped_with_a_reason(
     got = run_lm_eval(None, None, [], tmp_path / "work")
     assert "not installed" in got["skipped"]
     assert not (tmp_path / "work").exists()
+
+
+def test_read_metrics_keeps_integer_steps_and_the_plots_only_numbers(tmp_path: Path) -> None:
+    from pipeline.evaluate import _final_loss, _series, read_metrics
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "loss": 5.0, "lr": 0.1, "tokens_seen": 8, "tokens_per_s": 9}\n'
+                 '{"step": "2", "loss": 1.0}\n[1]\n{"step": [3]}\n'
+                 '{"step": 4, "loss": null, "lr": "high"}\n{"step": 5, "lo')
+    recs = read_metrics(p)
+    assert [r["step"] for r in recs] == [1, 4]
+    assert _series(recs, "step", "lr") == ([1], [0.1])
+    assert _final_loss(recs) == 5.0
