@@ -394,6 +394,38 @@ def test_disk_full_removes_the_partial_file(tok_dir: Path, tmp_path: Path, monke
     assert leftovers == []
 
 
+def test_out_must_be_a_data_directory_and_a_failed_shard_leaves_no_folder(
+    tok_dir: Path, tmp_path: Path
+) -> None:
+    spec = SourceSpec.from_args([str(STDLIB / "json" / "__init__.py")])
+    kw = dict(seq_len=8, shards=1, shard=0, progress=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PipelineError, match=r"is not a data directory \(it holds notes\.txt\)"):
+        tokenize_shard(spec, tok_dir, out=tmp_path, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    bad = tmp_path / "bad.txt.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(PipelineError, match=r"bad\.txt\.gz cannot be read"):
+        tokenize_shard(SourceSpec.from_args([str(bad)]), tok_dir, out=tmp_path / "o", **kw)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_corrupt_stats_file_is_redone_by_the_shard_and_refused_by_gather(
+    tok_dir: Path, tmp_path: Path
+) -> None:
+    spec = SourceSpec.from_args([str(STDLIB / "json" / "*.py")])
+    kw = dict(seq_len=32, shards=1, shard=0, out=tmp_path, val_fraction=0.0, progress=False)
+    tokenize_shard(spec, tok_dir, **kw)
+    sp = stats_path(tmp_path, 0)
+    good = sp.read_text()
+    sp.write_text(good[: len(good) // 2])
+    with pytest.raises(PipelineError, match=r"shard-00000\.stats\.json.*rerun shard job 0"):
+        gather(tmp_path, 1, tok_dir)
+    again = tokenize_shard(spec, tok_dir, **kw)  # not "complete": redone
+    assert json.loads(sp.read_text())["splits"] == json.loads(json.dumps(again["splits"]))
+    gather(tmp_path, 1, tok_dir)
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
