@@ -157,3 +157,27 @@ def test_truncated_shard_is_a_clear_error(data_dir: Path, tmp_path: Path) -> Non
 def test_missing_manifest(tmp_path: Path) -> None:
     with pytest.raises(PipelineError, match=r"manifest\.json does not exist"):
         PackedDataset(tmp_path)
+
+
+def test_manifest_shard_paths_stay_inside_the_data_dir(data_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    d = _copy(data_dir, tmp_path / "d")
+    outside = tmp_path / "elsewhere.arrow"
+    outside.write_bytes(shard_path(d, "train", 0).read_bytes())  # a real shard, but not this folder's
+    m = json.loads((d / "manifest.json").read_text())
+    m["splits"]["train"]["shards"][0]["path"] = "../elsewhere.arrow"
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PipelineError, match=r"manifest\.json: path '\.\./elsewhere\.arrow'.*leaves"):
+        PackedDataset(d)
+
+
+def test_manifest_missing_a_key_names_it(data_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    d = _copy(data_dir, tmp_path / "d")
+    m = json.loads((d / "manifest.json").read_text())
+    del m["splits"]["train"]["shards"][1]["sequences"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PipelineError, match=r"'splits\.train\.shards\[1\]\.sequences'.*gather"):
+        PackedDataset(d)

@@ -270,3 +270,22 @@ def test_tokenizer_output_replaces_only_its_own_folder(tmp_path):
     (legacy / "tokenizer.json").write_text("old")
     import_tokenizer(tok_dir, legacy)
     assert fingerprint(legacy) == fingerprint(tok_dir)
+
+
+def test_tokenizer_config_that_is_not_an_object_and_fingerprint_of_other_json(
+    tok_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from pipeline.tokenizer import tokenizer_info
+
+    bad = tmp_path / "tk"
+    shutil.copytree(tok_dir, bad)
+    (bad / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(PipelineError, match=r"tokenizer_config\.json is a JSON list, not an object"):
+        tokenizer_info(bad)
+    other = tmp_path / "other.json"
+    other.write_text('{"not": "a tokenizer"}')
+    r = subprocess.run([sys.executable, "-m", "pipeline.tokenizer", "fingerprint", str(other)],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.startswith("error: cannot load tokenizer")
