@@ -195,7 +195,7 @@ def check_run_out(out: Path, run: str) -> None:
         raise PipelineError(f"--out {out} is not a folder: name a run directory "
                             "(results/runs/NAME)")
     foreign = sorted(p.name for p in out.iterdir() if p.name not in af.RUN_DIR_NAMES
-                     and not p.name.startswith((".", f"{af.CHECKPOINTS}.old-")))
+                     and not p.name.startswith((".", f"{af.CHECKPOINTS}.old-", "samples-rank")))
     if foreign:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise PipelineError(
