@@ -246,8 +246,23 @@ def parse_run_config(raw: dict[str, Any]) -> RunConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a rendered run's ``config.json``."""
-    return parse_run_config(json.loads(Path(path).read_text()))
+    """Read a rendered run's ``config.json``; a missing, unreadable or invalid one is an error
+    naming the file."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PipelineError(f"{p} does not exist: render the run first (the render rule "
+                            "writes it)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise PipelineError(f"{p} is not a readable run config ({err}); render the run "
+                            "again") from None
+    if not isinstance(raw, dict):
+        raise PipelineError(f"{p}: a run config must be a JSON object; render the run again")
+    try:
+        return parse_run_config(raw)
+    except PipelineError as err:
+        raise PipelineError(f"{p}: {err}") from None
 
 
 def expand_sources(sources: list[SourceConfig]) -> list[Path]:
