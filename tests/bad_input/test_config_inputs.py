@@ -144,7 +144,7 @@ def snakemake(cwd: Path, *args: str):
 
 
 SNAKEMAKE_CASES = ["lr-inf", "run-name-newline", "duplicate-nested-key", "init-from-missing",
-                   "nodes-1e9"]
+                   "nodes-1e9", "alias-bomb"]
 
 
 @pytest.mark.parametrize("case", SNAKEMAKE_CASES)
