@@ -263,8 +263,6 @@ def test_status_results_is_a_file(proj: Path) -> None:
     _refused(proj, ["-m", "pipeline.status", "--results", "README.md"], "README.md")
 
 
-@pytest.mark.xfail(strict=False, reason="pipeline.config_files.load_run_config (the config "
-                   "part's file) raises FileNotFoundError for a run dir without config.json")
 def test_train_launch_run_dir_without_config(proj: Path) -> None:
     (proj / "results" / "runs" / "empty").mkdir()
     _refused(proj, ["-m", "pipeline.train", "launch", "--run-dir", "results/runs/empty",
