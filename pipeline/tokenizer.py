@@ -451,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output folder cannot be written (permissions, a file in the way)
+        where = e.filename or getattr(args, "out", None) or getattr(args, "path", "")
+        print(f"error: {where}: {e.strerror or e}: check --out", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -113,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output folder cannot be written (permissions, a file in the way)
+        print(f"error: {e.filename or args.out}: {e.strerror or e}: check --out", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -103,9 +103,9 @@ def check_data_out(out: Path) -> None:
             "folder that holds only tokenize's outputs (manifest.json, shards/, tokenizer/); "
             "nothing was written; choose a new or empty folder"
         )
-    shards = out / "shards"
-    if (shards.exists() or shards.is_symlink()) and not shards.is_dir():
-        raise PipelineError(f"{shards} is not a folder: remove it or choose another --out")
+    for sub in (out / "shards", *(out / "shards" / s for s in SPLITS)):
+        if (sub.exists() or sub.is_symlink()) and not sub.is_dir():
+            raise PipelineError(f"{sub} is not a folder: remove it or choose another --out")
 
 
 def _open_sink(path: Path) -> BinaryIO:

@@ -71,6 +71,12 @@ def test_tokenize_shard_out_is_a_file(proj: Path) -> None:
     _refused(proj, _shard(out="README.md"), "README.md", "not a folder")
 
 
+def test_tokenize_shard_out_with_a_file_where_a_split_folder_goes(proj: Path) -> None:
+    (proj / "new-data" / "shards").mkdir(parents=True)
+    (proj / "new-data" / "shards" / "train").write_text("in the way")
+    _refused(proj, _shard(), "new-data/shards/train", "not a folder")
+
+
 def test_tokenize_shard_threads_zero(proj: Path) -> None:
     _refused(proj, _shard("--threads", "0"), "--threads 0")
 
@@ -123,6 +129,10 @@ def test_tokenizer_train_out_dot(proj: Path) -> None:
 def test_tokenizer_import_out_run_dir(proj: Path) -> None:
     _refused(proj, ["-m", "pipeline.tokenizer", "import", "--path", TOK, "--out", RUN],
              RUN, "not written by this command")
+
+
+def test_tokenizer_train_out_under_a_file(proj: Path) -> None:
+    _refused(proj, _train(out="README.md/tokenizer"), "README.md", "check --out")
 
 
 def test_tokenizer_train_vocab_too_small(proj: Path) -> None:
