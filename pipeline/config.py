@@ -431,7 +431,7 @@ class Config(_Strict):
     plan: PlanConfig = PlanConfig()
     """Default memory-planner settings for every run."""
     runs: dict[str, RunOverrides] = Field(default_factory=lambda: {"main": RunOverrides()},
-                                          min_length=1)
+                                          min_length=1, max_length=10_000)
     """Run name → overrides of ``model``/``cluster``/``train`` for that run (``{}`` or an
     empty entry: none). A config file that has ``runs:`` replaces the runs of the files merged
     before it as a whole; every other section is deep-merged."""

@@ -74,6 +74,7 @@ def _check_paths(cfg: Config) -> None:
 DEFAULT_CONFIG = Path("config") / "config.yaml"
 _MAX_CONFIG_BYTES = 4 << 20
 _MAX_CONFIG_VALUES = 1_000_000
+_MAX_CONFIG_DEPTH = 32
 
 
 def _refuse_duplicate_keys(root: yaml.Node, where: str) -> None:
@@ -108,19 +109,23 @@ def _refuse_duplicate_keys(root: yaml.Node, where: str) -> None:
 
 
 def _refuse_huge(data: Any, where: str) -> None:
-    """Aliases expand: a few lines of YAML can stand for billions of values (or a cycle)."""
+    """Aliases expand: a few lines of YAML can stand for billions of values (or a cycle); and
+    a config nested deeper than any real one would overflow the recursive merge and checks."""
     budget = _MAX_CONFIG_VALUES
-    stack = [data]
+    stack = [(data, 0)]
     while stack:
-        obj = stack.pop()
+        obj, depth = stack.pop()
         budget -= 1
         if budget < 0:
             raise PipelineError(f"config file {where}: expands to more than "
                                 f"{_MAX_CONFIG_VALUES:,} values (recursive or nested YAML aliases?)")
+        if depth > _MAX_CONFIG_DEPTH:
+            raise PipelineError(f"config file {where}: nested more than {_MAX_CONFIG_DEPTH} "
+                                "levels deep")
         if isinstance(obj, dict):
-            stack.extend(obj.values())
+            stack.extend((v, depth + 1) for v in obj.values())
         elif isinstance(obj, list):
-            stack.extend(obj)
+            stack.extend((v, depth + 1) for v in obj)
 
 
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -160,6 +165,8 @@ def load_yaml(path: str | Path) -> Any:
         _load_yaml_text(text, p)  # reports the duplicate with its line
         raise PipelineError(f"config file {p}: duplicate key {dup} (a JSON loader keeps only "
                             "the last one)") from None
+    except RecursionError:
+        raise PipelineError(f"config file {p}: nested too deeply") from None
     except ValueError:
         data = _load_yaml_text(text, p)
     _refuse_huge(data, str(p))

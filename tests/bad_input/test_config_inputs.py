@@ -105,6 +105,10 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     ("duplicate-run", DEFAULT_TEXT + "  fsdp:\n    train: {lr: 1.0}\n",
      ("duplicate key runs.fsdp", "line")),
     ("alias-bomb", ALIAS_BOMB, ("expands to more than",)),
+    ("nested-too-deep", DEFAULT_TEXT.replace("train:\n", "train:\n  deepspeed: " + "[" * 100
+                                             + "]" * 100 + "\n", 1), ("nested more than",)),
+    ("json-recursion", '{"a": ' * 100_000 + "1" + "}" * 100_000, ("nested too deeply",)),
+    ("too-many-runs", runs({f"r{i}": {} for i in range(10_001)}), ("runs", "at most 10000")),
     ("top-level-list", "- data\n- model\n", ("top level must be a mapping",)),
     ("not-utf8", DEFAULT_TEXT.encode() + b"# \xff\xfe\n", ("not UTF-8",)),
     ("not-yaml", DEFAULT_TEXT + "train: [unclosed\n", ("not valid YAML",)),
