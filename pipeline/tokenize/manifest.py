@@ -50,6 +50,14 @@ def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLik
             stacklevel=2,
         )
     tok_dir = info.path.parent if info.path.name == "tokenizer.json" else info.path
+    if out.resolve() not in tok_dir.resolve().parents:
+        warnings.warn(
+            f"tokenizer {tok_dir} is outside {out}: stages read the manifest's tokenizer only "
+            f"from inside the data directory (consolidate will refuse it); copy it in with "
+            f"`python -m pipeline.tokenizer import --path {tok_dir} --out {out / 'tokenizer'}`",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     manifest = {
         "format": FORMAT,
         "seq_len": opts["seq_len"],
