@@ -34,9 +34,16 @@ def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLik
     splits = {split: _split(out, stats, split) for split in SPLITS}
     if splits["train"]["documents"] == 0:
         skipped = _sum_skipped(stats)
+        examples: dict[str, str] = {}
+        for st in stats:
+            eg = st.get("skipped_examples")
+            for k, v in (eg.items() if isinstance(eg, dict) else ()):
+                examples.setdefault(str(k), str(v))
+        eg_text = "; ".join(f"{k}: {v}" for k, v in examples.items())
         raise PipelineError(
-            f"the corpus has no usable training documents (skipped: {skipped or 'none'}): check "
-            "--input, --format, --text-field and --doc-split"
+            f"the corpus has no usable training documents (skipped: {skipped or 'none'}"
+            + (f", e.g. {eg_text}" if eg_text else "")
+            + "): check --input, --format, --text-field and --doc-split"
         )
     if splits["train"]["sequences"] == 0:
         raise PipelineError(

@@ -346,6 +346,7 @@ def tokenize_shard(
         "options": options,
         "splits": split_stats,
         "skipped": reader.skipped,
+        "skipped_examples": reader.examples,  # the first skipped document of each reason
         "sources": src_list,
         "read": [
             {

@@ -277,3 +277,18 @@ def test_fingerprint_of_json_that_is_not_a_tokenizer(tmp_path: Path) -> None:
     res = run(["-m", "pipeline.tokenizer", "fingerprint", str(p)], tmp_path)
     assert_refused(res, "tokenizer.json", "cannot load tokenizer", before=before,
                    roots=[tmp_path])
+
+
+def test_binary_files_split_over_shard_jobs_are_named_by_gather(tmp_path: Path, tok: Path) -> None:
+    for i in range(2):
+        (tmp_path / f"blob-{i}.dat").write_bytes(bytes(range(128, 256)) * 20)
+    inputs = [str(tmp_path / "blob-0.dat"), str(tmp_path / "blob-1.dat")]
+    for i in ("0", "1"):  # alone, neither job can tell the corpus has nothing usable
+        res = _shard(tmp_path, tok, *inputs, extra=("--format", "txt", "--shards", "2",
+                                                    "--shard", i))
+        assert res.returncode == 0, res.stderr
+    before = snapshot(tmp_path)
+    res = run(["-m", "pipeline.tokenize", "gather", "--out", str(tmp_path / "out"), "--shards",
+               "2", "--tokenizer", str(tok)], tmp_path)
+    assert_refused(res, "no usable training documents", "blob-", before=before,
+                   roots=[tmp_path])
