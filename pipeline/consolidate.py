@@ -186,7 +186,8 @@ def consolidate(
             f"{run_dir / af.TRAIN_DONE}: 'checkpoint' is {name!r}, not a checkpoint folder "
             "name; rerun the train rule"
         )
-    ckpt = af.inside(run_dir / af.CHECKPOINTS, name)
+    af.inside(run_dir / af.CHECKPOINTS, name)
+    ckpt = run_dir / af.CHECKPOINTS / name  # as named, not resolved: verify refuses a link
     # Verified completely (every file listed, sized and checksummed, nothing unlisted, no
     # links) before any reader opens a file of it: DCP's .metadata and DeepSpeed's *.pt are
     # pickles, so nothing unverified may reach a loader, and what verified still loads only
