@@ -254,6 +254,20 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
     return origin
 
 
+def _check_same_tokenizer(model_dir: Path, data_dir: Path, tok: dict[str, Any]) -> None:
+    """The model folder's tokenizer is the one the data was tokenized with (consolidate copies
+    it byte for byte), else the perplexity would be of other text than the model's."""
+    from pipeline.tokenizer import fingerprint
+
+    if not (model_dir / "tokenizer.json").is_file() or not isinstance(tok.get("fingerprint"), str):
+        return
+    if fingerprint(model_dir) != tok["fingerprint"]:
+        raise PipelineError(
+            f"--model {model_dir} has another tokenizer than the data in --data-dir {data_dir} "
+            "was made with (fingerprints differ): evaluate a model on the data it was trained on"
+        )
+
+
 def _load(model_dir: Path) -> tuple[Any, Any]:
     """The consolidated model and its tokenizer (a folder that does not load is an error
     naming it)."""
@@ -281,6 +295,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
     if len(val) == 0:
         raise PipelineError(f"the validation split of {data_dir} has no sequences: raise "
                             "data.val_fraction (tokenize --val-fraction) and tokenize again")
+    _check_same_tokenizer(model_dir, data_dir, val.manifest["tokenizer"])
     seqs = np.stack([val[i] for i in range(len(val))])
     model, tokenizer = _load(model_dir)
     vocab = model.config.vocab_size

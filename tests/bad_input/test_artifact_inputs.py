@@ -254,6 +254,15 @@ def test_model_folder_with_corrupt_weights(tmp_path, ws, hf, run_dir) -> None:
                    "does not load", "consolidate", before=before, roots=[tmp_path])
 
 
+def test_model_with_another_tokenizer_than_the_data(tmp_path, data, run_dir, fake_hf) -> None:
+    spec = json.loads((data / "tokenizer" / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["zzz-other"] = spec["model"]["vocab"].pop("Ġthe", 299)
+    (fake_hf / "tokenizer.json").write_text(json.dumps(spec))
+    before = snapshot(tmp_path)
+    assert_refused(_evaluate(tmp_path, fake_hf, data, run_dir), "another tokenizer",
+                   "--data-dir", before=before, roots=[tmp_path])
+
+
 def test_model_folder_without_its_consolidation_record(tmp_path, data, run_dir, fake_hf) -> None:
     (fake_hf / "zerosnake.json").unlink()
     before = snapshot(tmp_path)
