@@ -74,6 +74,9 @@ def _tokenizer_json_path(path: str | os.PathLike[str]) -> Path:
         return tj
     if p.is_file():
         return p
+    if p.exists():
+        raise PipelineError(f"tokenizer {p} is neither a folder nor a regular file: point "
+                            "--tokenizer at an HF tokenizer directory or its tokenizer.json")
     raise PipelineError(
         f"tokenizer {p} does not exist: train one with `python -m pipeline.tokenizer train "
         "--input ... --vocab-size N --out DIR` or point --tokenizer at a local HF tokenizer "

@@ -292,3 +292,14 @@ def test_binary_files_split_over_shard_jobs_are_named_by_gather(tmp_path: Path, 
                "2", "--tokenizer", str(tok)], tmp_path)
     assert_refused(res, "no usable training documents", "blob-", before=before,
                    roots=[tmp_path])
+
+
+def test_tokenizer_path_that_is_a_device_or_fifo(tmp_path: Path) -> None:
+    good = _good(tmp_path)
+    os.mkfifo(tmp_path / "tok.fifo")  # opening it would block forever
+    before = snapshot(good)
+    for path in (Path("/dev/zero"), tmp_path / "tok.fifo"):
+        res = _shard(tmp_path, path, str(good))
+        assert_refused(res, str(path), "neither a folder nor a regular file", before=before,
+                       roots=[good])
+    assert not (tmp_path / "out").exists()
