@@ -284,8 +284,9 @@ class TrainConfig(_Strict):
     """Sequences per optimizer step; if given it must equal micro × accumulation × data-parallel."""
     max_steps: int = Field(200, ge=1, le=10**10)
     """Optimizer steps to train."""
-    lr: float = Field(3e-3, gt=0, le=1.0)
-    """Peak learning rate."""
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (finite, > 0; no upper bound: a run that diverges is stopped by the
+    trainer at the first non-finite loss, with its last good checkpoint kept)."""
     warmup_steps: int = Field(10, ge=0, le=10**10)
     """Linear warmup from 0 to ``lr``; then linear decay to 0 at ``max_steps``."""
     weight_decay: float = Field(0.1, ge=0, le=10.0)
