@@ -15,6 +15,7 @@ checksums then verify, and only the allow-listed unpicklers stand between the by
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -230,6 +231,13 @@ def _entry_without_bytes(ckpt: Path, tmp: Path) -> str:
     return f"the entry of {rel} has no valid 'bytes'"
 
 
+def _step_not_a_number(ckpt: Path, tmp: Path) -> str:
+    meta = manifest(ckpt)
+    meta["step"] = "4; rm -rf ~"
+    write_manifest(ckpt, meta)
+    return "'step' is '4; rm -rf ~', not a number"
+
+
 MUTATIONS: dict[str, Callable[[Path, Path], str]] = {
     "truncated-distcp": _truncate,
     "flipped-byte": _flip,
@@ -242,6 +250,7 @@ MUTATIONS: dict[str, Callable[[Path, Path], str]] = {
     "manifest-not-json": _not_json,
     "manifest-missing-key": _no_files_key,
     "manifest-entry-missing-key": _entry_without_bytes,
+    "manifest-step-not-a-number": _step_not_a_number,
 }
 
 
@@ -335,10 +344,39 @@ def _plant_rng(ckpt: Path, marker: Path) -> str:
     return "rank-00000.pt"
 
 
+def _plant_dcp_bytes_entry(ckpt: Path, marker: Path) -> str:
+    """A non-tensor DCP entry (an optimizer hyper-parameter, which DCP's own planner loads with
+    ``torch.load(weights_only=False)``) pointed at a planted ``torch.save`` payload."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from pipeline.checkpoint_tensors import read_dcp_metadata
+
+    meta = read_dcp_metadata(ckpt / "dcp")
+    fqn = next(k for k, v in meta.state_dict_metadata.items()
+               if isinstance(v, BytesStorageMetadata) and k.startswith("optim.param_groups"))
+    index = next(k for k in meta.storage_data if k.fqn == fqn)
+    info = meta.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    target = ckpt / "dcp" / info.relative_path
+    info.offset, info.length = target.stat().st_size, len(buf.getvalue())
+    with target.open("ab") as f:
+        f.write(buf.getvalue())
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    return f"refused to unpickle the entry {fqn!r}"
+
+
+def _trainer_state(ckpt: Path, marker: Path) -> str:
+    (ckpt / "trainer.json").write_text('{"step": "4", "evil": true}')
+    return "trainer.json: not a trainer state"
+
+
 RESUME_PLANTS = {
     "fsdp-dcp-metadata": ("fsdp", _plant_dcp_metadata),
+    "fsdp-dcp-non-tensor-entry": ("fsdp", _plant_dcp_bytes_entry),
     "deepspeed-optimizer-states": ("ds", _plant_ds_optimizer),
     "rng-state": ("fsdp", _plant_rng),
+    "trainer-json-not-a-state": ("fsdp", _trainer_state),
 }
 
 
