@@ -59,7 +59,7 @@ def worker(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from pipeline import checkpoint as ck
-    from pipeline.config import load_run_config
+    from pipeline.config_files import load_run_config
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
     from pipeline.model import build_model

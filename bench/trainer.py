@@ -49,7 +49,7 @@ def bare(run_dir: Path, data_dir: Path, steps: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.config import load_run_config
+    from pipeline.config_files import load_run_config
     from pipeline.data import PackedDataset
 
     run = load_run_config(run_dir / "config.json")

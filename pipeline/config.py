@@ -5,11 +5,11 @@ table. Each run is the shared part with that run's overrides deep-merged on top,
 describes a batch of experiments that share one tokenized dataset.
 
 Config files are read, merged (a later file's ``runs:`` replaces the earlier runs as a whole)
-and checked by :mod:`pipeline.config_files`; its names are re-exported here.
+and checked by :mod:`pipeline.config_files` (which imports this module, never the other way);
+``python -m pipeline.config check|schema`` is :mod:`pipeline.config_cli`.
 
-The JSON schema that the Snakefile validates is generated from these classes
-(``python -m pipeline.config schema``); ``tests/test_config.py`` fails when the checked-in
-``config/schema.json`` is stale.
+The JSON schema (``config/schema.json``, for editors and docs) is generated from these classes
+(``python -m pipeline.config schema``); ``tests/test_config.py`` fails when it is stale.
 """
 
 from __future__ import annotations
@@ -29,19 +29,6 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.config_files import DEFAULT_CONFIG as DEFAULT_CONFIG
-from pipeline.config_files import expand_sources as expand_sources
-from pipeline.config_files import field_choices as field_choices
-from pipeline.config_files import field_default as field_default
-from pipeline.config_files import field_help as field_help
-from pipeline.config_files import load_config as load_config
-from pipeline.config_files import load_run_config as load_run_config
-from pipeline.config_files import load_yaml as load_yaml
-from pipeline.config_files import merge_config as merge_config
-from pipeline.config_files import mirror_argument as mirror_argument
-from pipeline.config_files import parse_config as parse_config
-from pipeline.config_files import parse_run_config as parse_run_config
-from pipeline.config_files import workflow_config_raw as workflow_config_raw
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 
@@ -541,6 +528,8 @@ def json_schema() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from pipeline.config_files import main
+    # The command lives above the loaders and the pre-flight (pipeline.config_cli); this block
+    # runs only as `python -m pipeline.config`, never on import.
+    from pipeline.config_cli import main
 
     sys.exit(main())

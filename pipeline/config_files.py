@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 
+from pipeline.config import _SECTION, Config, RunConfig, SourceConfig, _validate
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.sources import expand_paths
@@ -28,13 +28,11 @@ from pipeline.sources import expand_paths
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from pipeline.config import Config, RunConfig, SourceConfig
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
     """Validate a config dict (e.g. Snakemake's ``config``), every run's effective config, and
     the local paths it names (``model.init_from``, ``data.tokenizer.path``)."""
-    from pipeline.config import Config, _validate
 
     if not isinstance(raw, dict):
         raise PipelineError("invalid config: the top level must be a mapping")
@@ -247,7 +245,6 @@ def load_config(path: str | Path) -> Config:
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate one run's effective config (as ``Config.run`` returns it, dumped to JSON)."""
-    from pipeline.config import RunConfig, _validate
 
     return _validate(RunConfig, raw)
 
@@ -288,46 +285,6 @@ def expand_sources(sources: list[SourceConfig]) -> list[Path]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.config", description="Validate a config or print its schema."
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("schema", help="print the JSON schema generated from the config classes")
-    check = sub.add_parser(
-        "check",
-        help="run the checks of a workflow start and print each run's config",
-        description="Run exactly the checks a workflow start runs on `snakemake --configfile "
-        "FILE...` in this directory: config/config.yaml (when present here) merged with each "
-        "FILE in order (a file's runs: replaces the runs before it), the typed parse, the "
-        "expansion of data.sources and every run's pre-flight. Writes nothing.",
-    )
-    check.add_argument("config", type=Path, nargs="+", help="config files, as --configfile")
-    check.add_argument("--replace-workflow-config", action="store_true",
-                       help=f"do not read {DEFAULT_CONFIG} first (as Snakemake's option)")
-    args = parser.parse_args(argv)
-    from pipeline.config import json_schema
-
-    if args.cmd == "schema":
-        print(json.dumps(json_schema(), indent=2, sort_keys=True))
-        return 0
-    try:
-        files = config_files(args.config, replace_default=args.replace_workflow_config)
-        cfg = parse_config(workflow_config_raw(
-            args.config, replace_default=args.replace_workflow_config))
-        from pipeline.preflight_cache import startup_checks
-
-        sources = startup_checks(cfg, cache_dir=None)
-    except PipelineError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"config: {' + '.join(map(str, files))}; runs: {', '.join(cfg.run_names())}; "
-          f"{len(sources)} source file(s); pre-flight passed", file=sys.stderr)
-    for name in cfg.run_names():
-        print(json.dumps(cfg.run(name).model_dump(mode="json"), indent=2))
-    return 0
-
-
 def field_default(cls: type[BaseModel], name: str) -> Any:
     """The default of a config field (``field_default(DataConfig, "val_fraction")``): what a
     command-line option that mirrors the field defaults to."""
@@ -352,7 +309,6 @@ def field_help(cls: type[BaseModel], name: str, *, default: bool = True) -> str:
     its config key and (unless ``default=False``) its default; ready for argparse."""
     text = " ".join((cls.model_fields[name].description or "").split()).replace("``", "")
     text = text.rstrip(".")
-    from pipeline.config import _SECTION
 
     key = f"{_SECTION[cls]}.{name}" if cls in _SECTION else name
     tail = f"config: {key}"

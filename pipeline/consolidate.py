@@ -40,7 +40,7 @@ from pipeline.checkpoint_tensors import (  # noqa: F401  (GROUP_BYTES: tests and
     load_deepspeed_model_state,
     open_source,
 )
-from pipeline.config import load_run_config
+from pipeline.config_files import load_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file, write_json_atomic
 from pipeline.model import hf_model_config

@@ -133,7 +133,7 @@ def startup_checks(cfg: Any, *, preflight: bool = True,
     Snakefile (``workflow/rules/common.smk``) and ``python -m pipeline.config check``: the
     expansion of ``data.sources`` (a source matching no file is an error) and, with
     ``preflight``, every run's pre-flight (:func:`preflight_runs`). Returns the source files."""
-    from pipeline.config import expand_sources
+    from pipeline.config_files import expand_sources
 
     files = expand_sources(cfg.data.sources)
     if preflight:

@@ -24,7 +24,8 @@ from typing import BinaryIO, get_args
 
 # sources.BIG_DOC_BYTES is read at call time (tests shrink it to exercise big documents).
 from pipeline import sources
-from pipeline.config import OnInvalid, SourceConfig, mirror_argument
+from pipeline.config import OnInvalid, SourceConfig
+from pipeline.config_files import mirror_argument
 from pipeline.errors import PipelineError
 from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan, reading
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.artifacts import SUBMITIT
-from pipeline.config import RunConfig, load_config, parse_run_config
+from pipeline.config import RunConfig
+from pipeline.config_files import load_config, parse_run_config
 from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge, write_json_atomic, write_text_atomic

@@ -410,7 +410,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     """Options that mirror a config key (``data.tokenizer.*``, ``data.sources[].*``) take its
     default and description from ``pipeline.config``."""
-    from pipeline.config import TokenizerConfig, mirror_argument
+    from pipeline.config import TokenizerConfig
+    from pipeline.config_files import mirror_argument
     from pipeline.readers import add_reader_arguments
 
     ap = argparse.ArgumentParser(

@@ -11,9 +11,8 @@ from pipeline.config import (
     SourceConfig,
     TokenizerConfig,
     TrainConfig,
-    field_default,
-    field_help,
 )
+from pipeline.config_files import field_default, field_help
 from pipeline.plan import Cluster
 from pipeline.plan.__main__ import _parser as plan_parser
 from pipeline.sources import SourceSpec

@@ -8,9 +8,9 @@ import json
 import pytest
 import yaml
 
-from pipeline.config import (
+from pipeline.config import json_schema
+from pipeline.config_files import (
     expand_sources,
-    json_schema,
     load_config,
     load_yaml,
     merge_config,

@@ -64,7 +64,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """test_resume's tokenized data (same sources, tokenizer and shards), built once here."""
-    from pipeline.config import expand_sources, parse_config
+    from pipeline.config_files import expand_sources, parse_config
 
     work = tmp_path_factory.mktemp("ddp-data")
     files = [str(f) for f in expand_sources(parse_config(RESUME_CONFIG).data.sources)]
@@ -259,7 +259,7 @@ def test_planner_refuses_what_ddp_cannot_run():
 
 @pytest.mark.parametrize("strategy", ["manual", "auto"])
 def test_render_of_a_ddp_run_writes_no_engine_config(strategy):
-    from pipeline.config import parse_run_config
+    from pipeline.config_files import parse_run_config
     from pipeline.render import render_run
 
     run = parse_run_config({**BASE, "name": "r", "train": {

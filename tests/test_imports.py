@@ -1,7 +1,8 @@
 """No import cycles in pipeline/, and the layering the stages rely on.
 
 The graph counts module- and function-level imports (an import inside a function is a cycle
-waiting for the first call), not those under ``if TYPE_CHECKING:``. Run it alone to list
+waiting for the first call), not those under ``if TYPE_CHECKING:`` or
+``if __name__ == "__main__":``. Run it alone to list
 cycles: ``python tests/test_imports.py [pipeline]``.
 """
 
@@ -23,7 +24,13 @@ def module_name(root: Path, f: Path) -> str:
 
 
 def _type_checking(node: ast.If) -> bool:
+    """``if TYPE_CHECKING:`` (never runs) or ``if __name__ == "__main__":`` (runs only when the
+    module is the program, never when it is imported): neither block's imports are edges."""
     t = node.test
+    if (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+            and len(t.comparators) == 1 and isinstance(t.comparators[0], ast.Constant)
+            and t.comparators[0].value == "__main__"):
+        return True
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 

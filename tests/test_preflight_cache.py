@@ -9,7 +9,7 @@ import yaml
 
 import pipeline.render
 from pipeline import preflight_cache
-from pipeline.config import parse_config
+from pipeline.config_files import parse_config
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline.config import parse_config
+from pipeline.config_files import parse_config
 from pipeline.errors import PipelineError
 from pipeline.render import render_run
 from tests.conftest import PY, REPO, subprocess_env

@@ -46,7 +46,7 @@ def run_cli(*argv: str) -> None:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from pipeline.config import expand_sources, parse_config
+    from pipeline.config_files import expand_sources, parse_config
 
     work = tmp_path_factory.mktemp("resume-data")
     cfg = parse_config(CONFIG)

@@ -8,7 +8,8 @@ from typing import get_args
 
 import pytest
 
-from pipeline.config import DocSplit, SourceConfig, SourceFormat, expand_sources
+from pipeline.config import DocSplit, SourceConfig, SourceFormat
+from pipeline.config_files import expand_sources
 from pipeline.sources import DOC_SPLITS, FORMATS, SourceSpec, expand_paths
 
 

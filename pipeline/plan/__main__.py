@@ -7,15 +7,8 @@ import contextlib
 import json
 import sys
 
-from pipeline.config import (
-    ClusterConfig,
-    DataConfig,
-    PlanConfig,
-    TrainConfig,
-    field_default,
-    field_help,
-    mirror_argument,
-)
+from pipeline.config import ClusterConfig, DataConfig, PlanConfig, TrainConfig
+from pipeline.config_files import field_default, field_help, mirror_argument
 from pipeline.errors import PipelineError
 from pipeline.plan.preflight import check
 from pipeline.plan.report import render_plan_md

@@ -12,13 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from pipeline.config import (
-    Backend,
-    ClusterConfig,
-    FsdpSharding,
-    Precision,
-    field_default,
-)
+from pipeline.config import Backend, ClusterConfig, FsdpSharding, Precision
+from pipeline.config_files import field_default
 from pipeline.errors import PipelineError
 
 #: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config.py``).

@@ -18,7 +18,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipeline.config import DataConfig, mirror_argument
+from pipeline.config import DataConfig
+from pipeline.config_files import mirror_argument
 from pipeline.errors import PipelineError
 from pipeline.readers import add_reader_arguments
 

@@ -37,7 +37,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.artifacts import inside
-from pipeline.config import DataConfig, field_default
+from pipeline.config import DataConfig
+from pipeline.config_files import field_default
 from pipeline.encoders import HFEncoder, TiktokenEncoder, verify_encoder
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file

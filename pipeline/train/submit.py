@@ -39,7 +39,7 @@ from pipeline.artifacts import (
     read_train_done,
     write_job,
 )
-from pipeline.config import load_run_config
+from pipeline.config_files import load_run_config
 from pipeline.distenv import JobState, scontrol_job, squeue_states
 from pipeline.errors import PipelineError
 from pipeline.launchopts import LaunchOptions

@@ -41,7 +41,8 @@ from pipeline.artifacts import (
     attempts,
     write_train_done,
 )
-from pipeline.config import RunConfig, load_run_config
+from pipeline.config import RunConfig
+from pipeline.config_files import load_run_config
 from pipeline.distenv import RankEnv
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic

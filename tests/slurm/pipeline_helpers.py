@@ -93,7 +93,7 @@ def prepare_data(work: Path, corpus: Path) -> Path:
 
 def render(run_dir: Path, cfg: dict[str, Any], name: str = "r") -> Path:
     """Render one run of a config (the real render stage)."""
-    from pipeline.config import parse_config
+    from pipeline.config_files import parse_config
 
     run_cfg = parse_config(cfg).run(name)
     run([PY, "-m", "pipeline.render", "--run-config-json",

@@ -4,7 +4,7 @@ import os
 import re
 import sys
 
-from pipeline.config import parse_config, workflow_config_raw
+from pipeline.config_files import parse_config, workflow_config_raw
 from pipeline.preflight_cache import startup_checks
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
