@@ -46,8 +46,8 @@ def _free_port() -> int:
 
 
 def _solo_env() -> dict[str, str]:
-    """A bare ``python -m pipeline.train worker``: rank 0 of 1 (no torchrun, whose own
-    failure report is a traceback of the launcher)."""
+    """A bare ``python -m pipeline.train worker``: rank 0 of 1 (no torchrun, which adds its
+    own failure report around the worker's message)."""
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
 
