@@ -362,7 +362,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (fsync of the folder itself)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -414,7 +415,7 @@ def replacing_dir(dest: Path, marker: str, own_names: Collection[str] = ()) -> I
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

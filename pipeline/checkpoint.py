@@ -39,6 +39,7 @@ from pipeline.artifacts import (
     CKPT_MANIFEST,
     CKPT_TRAINER,
     checkpoint_steps,
+    fsync_dir,
     inside,
     step_name,
 )
@@ -212,7 +213,7 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
     if final.exists():  # a checkpoint of the same step from an attempt that died after renaming
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     prune(root, keep_last)
     return final
 
@@ -230,14 +231,6 @@ def clean_tmp(root: Path) -> None:
     if root.is_dir():
         for p in root.glob(".tmp-step-*"):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # RNG state is saved as tensors and plain containers so that it loads with weights_only=True.
