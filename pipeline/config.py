@@ -252,7 +252,8 @@ class TrainConfig(_Strict):
     offload_params: bool = False
     """Keep parameters on the host between uses (DeepSpeed ZeRO-3 only)."""
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree (planned and rendered; the trainer runs tp = 1 only)."""
+    """Tensor-parallel degree: DTensor TP inside a node (``backend: fsdp`` only; it must divide
+    gpus_per_node, the attention and KV heads and the MLP's intermediate size)."""
     pp: int = Field(1, ge=1)
     """Pipeline-parallel degree (planned and rendered; the trainer runs pp = 1 only)."""
     precision: Precision = "fp32"
@@ -334,11 +335,17 @@ class TrainConfig(_Strict):
             )
         if self.deepspeed and self.backend != "deepspeed":
             raise ValueError("train.deepspeed: extra DeepSpeed keys need train.backend: deepspeed")
-        if self.tp > 1 or self.pp > 1:
+        if self.tp > 1 and self.backend != "fsdp":
             raise ValueError(
-                f"train.tp ({self.tp}) / train.pp ({self.pp}): the trainer runs data parallelism "
-                "only; plan TP/PP layouts with `python -m pipeline.plan --tp N --pp M` and set "
-                "both to 1 here"
+                f"train.tp ({self.tp}): tensor parallelism runs on train.backend: fsdp only "
+                f"(DTensor TP × FSDP2); the {self.backend} backend trains with tp = 1. Set "
+                "train.backend: fsdp, or train.tp: 1"
+            )
+        if self.pp > 1:
+            raise ValueError(
+                f"train.pp ({self.pp}): the trainer does not run pipeline parallelism yet; plan "
+                "PP layouts with `python -m pipeline.plan --tp N --pp M` and set train.pp: 1 "
+                "here"
             )
         return self
 
@@ -376,7 +383,8 @@ class RunConfig(_Strict):
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        """Data-parallel degree: the world over the tensor- and pipeline-parallel degrees."""
+        return self.world_size // (self.train.tp * self.train.pp)
 
     @property
     def global_batch_size(self) -> int:
@@ -390,7 +398,8 @@ class RunConfig(_Strict):
                 f"train.global_batch_size ({t.global_batch_size}) must equal "
                 f"train.micro_batch_size ({t.micro_batch_size}) × train.grad_accum "
                 f"({t.grad_accum}) × data-parallel degree ({self.dp_size} = cluster.nodes × "
-                f"cluster.gpus_per_node) = {self.global_batch_size}; change one of them"
+                f"cluster.gpus_per_node / (train.tp × train.pp)) = {self.global_batch_size}; "
+                "change one of them"
             )
         if self.data.seq_len > self.model.max_position_embeddings:
             raise ValueError(

@@ -38,6 +38,17 @@ def test_tp_and_pp_take_the_innermost_and_outermost_dimensions():
     assert dp_coords(dims, 5) == (1, 2)
 
 
+def test_a_tp_only_layout_keeps_a_size_one_dp_shard_dimension():
+    # tp = world: FSDP2 still shards over a dp_shard dimension (of one); both ranks of the TP
+    # group read data-parallel slice 0 of 1 (the whole global batch).
+    dims = ParallelDims(nodes=1, gpus_per_node=2, tp=2)
+    assert mesh_layout(dims) == (("dp_shard", "tp"), (1, 2))
+    assert [dp_coords(dims, r) for r in range(2)] == [(0, 1), (0, 1)]
+    dims = ParallelDims(nodes=1, gpus_per_node=4, tp=2)
+    assert mesh_layout(dims) == (("dp_shard", "tp"), (2, 2))
+    assert [dp_coords(dims, r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
 def test_a_layout_that_does_not_fill_the_world_is_refused():
     with pytest.raises(PipelineError, match="does not divide"):
         mesh_layout(ParallelDims(nodes=1, gpus_per_node=6, tp=4))

@@ -126,6 +126,13 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
     dims, chosen = the_plan.dims, the_plan.strategy
     errors += dims.problems(num_layers=model.num_layers, num_heads=model.num_heads,
                             num_kv_heads=model.num_kv_heads)
+    if model.intermediate_size % dims.tp:
+        divisors = [d for d in range(1, dims.gpus_per_node + 1)
+                    if model.intermediate_size % d == 0 and dims.gpus_per_node % d == 0]
+        errors.append(PipelineError(
+            f"{KEYS['tp']}: TP={dims.tp} does not divide the model's intermediate size "
+            f"{model.intermediate_size} (the MLP's gate/up/down projections are split over TP "
+            f"ranks); use one of {divisors}, or change model.intermediate_size"))
     if batch.global_batch_size is not None:
         errors += batch_problems(dims=dims, global_batch_size=batch.global_batch_size)
     overrides = ds_overrides or {}

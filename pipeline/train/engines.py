@@ -72,7 +72,8 @@ def _enable_activation_checkpointing(model: Any) -> None:
 
 
 class FSDPEngine:
-    """FSDP2: ``fully_shard`` per decoder layer, then the root; DCP checkpoints.
+    """FSDP2: ``fully_shard`` per decoder layer, then the root; DCP checkpoints. With a ``tp``
+    mesh dimension the decoder layers are tensor-parallel first (``pipeline.train.tp``).
 
     ``mesh``: the world mesh of ``pipeline.train.parallel.build_mesh`` (FSDP2 shards over its
     data-parallel sub-mesh, :func:`~pipeline.train.parallel.fsdp_mesh`); built here from the
@@ -93,6 +94,12 @@ class FSDPEngine:
         # FULL_SHARD / SHARD_GRAD_OP: 1-D (dp_shard). NO_SHARD: (dp_replicate=dp, dp_shard=1),
         # DDP semantics. HYBRID_SHARD: shard inside a node (fast links), replicate across nodes.
         dp_mesh = fsdp_mesh(mesh)
+        # Tensor parallelism first (DTensor over mesh["tp"]), then FSDP2 over the DP sub-mesh.
+        self.tp = "tp" in (mesh.mesh_dim_names or ())
+        if self.tp:
+            from pipeline.train.tp import tensor_parallel
+
+            tensor_parallel(model, mesh["tp"])
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if t.precision == "bf16"
@@ -121,11 +128,17 @@ class FSDPEngine:
             loss = self.model(input_ids=ids, labels=ids).loss
             (loss / n).backward()
             total += loss.detach().float().item()
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.clip if self.clip > 0 else math.inf
-        )
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        if self.tp:
+            # Parameters on two meshes (dp × tp and dp): the norm per mesh, then combined.
+            from pipeline.train.tp import clip_grad_norm
+
+            norm = clip_grad_norm(self.model.parameters(), self.clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.clip if self.clip > 0 else math.inf
+            )
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()

@@ -216,10 +216,16 @@ class Trainer:
                 f"launched with {world} processes, but the plan has "
                 f"{self.run.world_size} (cluster.nodes × cluster.gpus_per_node); re-render the run"
             )
-        if self.dims.tp > 1 or self.dims.pp > 1:  # config validation refuses these already
+        # Config validation refuses these already.
+        if self.dims.tp > 1 and self.run.train.backend != "fsdp":
             raise PipelineError(
-                f"train.tp ({self.dims.tp}) / train.pp ({self.dims.pp}): the trainer runs data "
-                "parallelism only; set both to 1"
+                f"train.tp ({self.dims.tp}): tensor parallelism runs on train.backend: fsdp "
+                f"only, not {self.run.train.backend}; set train.backend: fsdp or train.tp: 1"
+            )
+        if self.dims.pp > 1:
+            raise PipelineError(
+                f"train.pp ({self.dims.pp}): the trainer does not run pipeline parallelism yet; "
+                "set train.pp: 1"
             )
 
     def _build_engine(self, model: Any) -> Any:
@@ -265,10 +271,12 @@ class Trainer:
                 {"step": state.step + 1, "indices": [int(i) for b in batches for i in b["indices"]]}
             ) + "\n")
         res = self.engine.train_step(micro)
-        nccl = self.dist_backend == "nccl"
-        loss = torch.tensor([res.loss], device=self.device)
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM)
-        mean_loss = loss.item() if nccl else loss.item() / world
+        # The mean over the data-parallel ranks: the ranks of one TP group computed the same
+        # loss on the same batch, so only each group's first rank contributes (gloo has no AVG).
+        lead = self.env.rank % self.dims.tp == 0
+        loss = torch.tensor([res.loss if lead else 0.0], device=self.device)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        mean_loss = loss.item() / self.dims.dp
         state.step += 1
         state.tokens_seen += self.tokens_per_step
         dt = time.perf_counter() - t0
