@@ -39,8 +39,11 @@ RUNS = {
     "tp": TP,
     "tpdp": {"cluster": {"gpus_per_node": 4}, "train": {"tp": 2}},
     "tpstop": TP,
+    "relayout": TP,
 }
-NPROC = {"dp": 2, "tp": 2, "tpdp": 4, "tpstop": 2}
+NPROC = {"dp": 2, "tp": 2, "tpdp": 4, "tpstop": 2, "relayout": 2}
+#: Stopped after a few steps, then resumed: on the same layout, or re-rendered as pure DP.
+STOPPED = ("tpstop", "relayout")
 
 
 def consumed(run_dir: Path, nproc: int, tp: int) -> dict[int, list[int]]:
@@ -72,25 +75,34 @@ def runs(data_dir) -> dict[str, Path]:  # noqa: F811
         run_cli("pipeline.render", "--config", str(work / "tp-config.yaml"), "--run", name,
                 "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
     procs = {name: torchrun(dirs[name], data_dir, NPROC[name]) for name in RUNS}
-    stop = dirs["tpstop"]
-    while (not (stop / "metrics.jsonl").exists()
-           or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
-        if procs["tpstop"].poll() is not None:
-            break
-        time.sleep(0.005)
-    (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
+    for name in STOPPED:
+        stop = dirs[name]
+        while (not (stop / "metrics.jsonl").exists()
+               or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
+            if procs[name].poll() is not None:
+                break
+            time.sleep(0.005)
+        (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
     errors = {}
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=600)
-        if (proc.returncode != 0) != (name == "tpstop"):
+        if (proc.returncode != 0) != (name in STOPPED):
             errors[name] = (proc.returncode, err[-3000:])
     assert not errors, errors
-    stopped = json.loads((stop / "stopped.json").read_text())["step"]
-    assert 3 <= stopped < STEPS
-    (stop / "STOP").unlink()
-    proc = torchrun(stop, data_dir, NPROC["tpstop"])
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    # "relayout" continues as pure data parallelism (tp 1, dp 2) with the same global batch:
+    # the layout is not part of the checkpoint's config hash, and DCP reshards DTensor state.
+    (work / "tp-config-dp.yaml").write_text(yaml.safe_dump(
+        {**cfg, "runs": {"relayout": {}}}))
+    run_cli("pipeline.render", "--config", str(work / "tp-config-dp.yaml"), "--run", "relayout",
+            "--out", str(dirs["relayout"]), "--data-manifest", str(data_dir / "manifest.json"))
+    for name in STOPPED:
+        stop = dirs[name]
+        stopped = json.loads((stop / "stopped.json").read_text())["step"]
+        assert 3 <= stopped < STEPS
+        (stop / "STOP").unlink()
+        proc = torchrun(stop, data_dir, NPROC[name])
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
     return dirs
 
 
@@ -121,6 +133,20 @@ def test_stopped_tp_run_resumes_with_the_uninterrupted_losses(runs):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-6), (step, key)
     assert {r["attempt"] for r in got.values()} == {1, 2}
     assert consumed(runs["tpstop"], 2, 2) == consumed(runs["tp"], 2, 2)
+
+
+@pytest.mark.slow
+def test_tp_checkpoint_resumes_as_pure_data_parallel(runs):
+    """tp 2 → dp 2: the resumed steps continue the run (no fresh start) with the losses of an
+    uninterrupted run of either layout (they agree within 1e-3)."""
+    got = metrics(runs["relayout"])
+    assert list(got) == list(range(1, STEPS + 1))
+    assert {r["attempt"] for r in got.values()} == {1, 2}
+    first = min(s for s, r in got.items() if r["attempt"] == 2)
+    assert first > 3  # resumed from its checkpoint, not from step 1
+    assert max_rel(losses(runs["relayout"]), losses(runs["tp"])) < 1e-3
+    assert max_rel(losses(runs["relayout"]), losses(runs["dp"])) < 1e-3
+    assert not list((runs["relayout"]).glob("checkpoints.old-*"))  # nothing set aside
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def render_fsdp_config(plan: Plan) -> dict[str, Any]:
         "cpu_offload": bool(s.offload_params or s.offload_optimizer),
         "activation_checkpointing": batch.activation_checkpointing,
         "tp": d.tp,
-        "sequence_parallel": d.tp > 1,
+        "sequence_parallel": False,  # not built yet (HF Llama's mask needs the full sequence)
         "pp": d.pp,
         "micro_batch_size": d.micro_batch_size,
         "grad_accum": d.grad_accum,

@@ -283,7 +283,7 @@ def estimate_memory(*, model: ModelShape, dims: ParallelDims, strategy: Strategy
             offload=off_opt or off_par)
 
     acts = activation_bytes(model=model, batch=batch, dims=dims,
-                            sequence_parallel=strategy.engine == "fsdp" and dims.tp > 1,
+                            sequence_parallel=False,  # the trainer's TP has no sequence parallelism yet
                             fused_attention=fused_attention)
     buffers = _comm_buffers(strategy=strategy, psi=psi, pb=pb,
                             unit=decoder_unit_params(model, tp=dims.tp))
