@@ -31,7 +31,7 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
-from pipeline.train.engines import StepResult, warmup_decay_lambda
+from pipeline.train.engines import StepResult, adamw_with_schedule
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,12 +79,7 @@ class DDPEngine:
         self.skipped_steps = 0
         self.last_skipped = False
         self.clip = t.grad_clip
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
-        )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, warmup_decay_lambda(t.warmup_steps, t.max_steps)
-        )
+        self.opt, self.sched = adamw_with_schedule(model.parameters(), t)
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,

@@ -43,6 +43,16 @@ class Engine(Protocol):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
+def adamw_with_schedule(params: Any, t: Any) -> tuple[Any, Any]:
+    """The torch engines' optimizer and schedule (``train.*``): AdamW with linear warmup then
+    linear decay to 0 at ``max_steps`` (DeepSpeed renders the same from ds_config)."""
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps,
+                            weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay_lambda(t.warmup_steps,
+                                                                        t.max_steps))
+    return opt, sched
+
+
 def warmup_decay_lambda(warmup: int, total: int):
     """DeepSpeed's ``WarmupDecayLR`` (linear warmup) as a ``LambdaLR`` factor.
 
@@ -112,12 +122,7 @@ class FSDPEngine:
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         self.model = model
         self.clip = t.grad_clip
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
-        )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, warmup_decay_lambda(t.warmup_steps, t.max_steps)
-        )
+        self.opt, self.sched = adamw_with_schedule(model.parameters(), t)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
         n = len(micro_batches)
