@@ -1,0 +1,42 @@
+"""bench/gpu.py's dry run (issue 15): every row rendered with a real planned figure, every
+command parsed, the DAG planned by ``snakemake -n``; no GPU, nothing trained."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from tests.conftest import PY, REPO, subprocess_env
+
+MODELS = ("tiny", "llama1b")
+ENGINES = ("fsdp", "ds-zero2", "ds-zero3", "ddp")
+
+
+def test_dry_run_renders_every_row_and_trains_nothing(tmp_path):
+    out, work = tmp_path / "gpu.md", tmp_path / "work"
+    res = subprocess.run([PY, "-m", "bench.gpu", "--dry-run", "--out", str(out), "--work",
+                          str(work)], cwd=REPO, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = out.read_text()
+    assert "DRY RUN: nothing was measured" in table
+    rows = {}
+    for m in re.finditer(r"^\| (\w+) \| [\d.]+ M \| ([\w-]+) \| (on|off) \| \d+ × \d+ "
+                         r"\| ([\d.]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|", table, re.M):
+        model, engine, ac, planned, *measured = m.groups()
+        rows[(model, engine, ac)] = float(planned)
+        assert [c.strip() for c in measured] == ["dry run"] * 4, m.group(0)
+    expected = {(m, e, ac) for m in MODELS for e in ENGINES for ac in ("on", "off")}
+    assert set(rows) == expected, sorted(expected ^ set(rows))
+    assert all(planned > 0 for planned in rows.values()), rows
+    # Activation checkpointing lowers the plan; the 1B model's is tens of GB.
+    for e in ENGINES:
+        assert rows[("llama1b", e, "on")] < rows[("llama1b", e, "off")]
+        assert rows[("llama1b", e, "off")] > 10 > rows[("tiny", e, "off")]
+    assert "`snakemake -n` plans the DAG: ok" in table
+    # Rendered for real, trained not at all.
+    runs = sorted(p.name for p in (work / "runs").iterdir())
+    assert len(runs) == 16 and all((work / "runs" / r / "plan.json").is_file() for r in runs)
+    for name in ("metrics.jsonl", "bench.json", "train.done", "manifest.json"):
+        assert not list(work.rglob(name)), f"the dry run wrote {name}"
+    assert not (work / "dag" / "results").exists()
