@@ -104,10 +104,10 @@ def models(default_cfg: dict[str, Any], micro_1b: int) -> list[ModelSpec]:
         ModelSpec(key="tiny", title="tiny (config/config.yaml)",
                   sources=d["sources"][0]["path"], vocab_size=d["tokenizer"]["vocab_size"],
                   seq_len=d["seq_len"], micro_batch_size=default_cfg["train"]["micro_batch_size"],
-                  model=dict(default_cfg["model"]), timeout_s=150),
+                  model=dict(default_cfg["model"]), timeout_s=90),
         ModelSpec(key="llama1b", title="Llama 1.1B (random weights)", sources="<stdlib>/*.py",
                   vocab_size=32000, seq_len=2048, micro_batch_size=micro_1b,
-                  model=dict(LLAMA_1B), timeout_s=300),
+                  model=dict(LLAMA_1B), timeout_s=180),
     ]
 
 
@@ -491,14 +491,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu",
+        description="Planner vs torch.cuda.max_memory_allocated, tokens/s and MFU per engine, "
+                    "model and activation checkpointing at world size 1 in bf16, then the "
+                    "default DAG on CUDA; writes a markdown table (issue 15).")
     ap.add_argument("--dry-run", action="store_true", help="no CUDA, no training: check it all")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the markdown table")
     ap.add_argument("--work", type=Path, default=None,
                     help="work directory (default: a temporary one, removed at the end)")
-    ap.add_argument("--only", choices=("rows", "dag"), default=None)
-    ap.add_argument("--models", default="tiny,llama1b")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--only", choices=("rows", "dag"), default=None,
+                    help="only the table's rows, or only the DAG (the table then has no rows)")
+    ap.add_argument("--models", default="tiny,llama1b", help="comma-separated: tiny, llama1b")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help=f"comma-separated: {', '.join(ENGINES)}")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--micro-1b", type=int, default=8, help="micro batch of the 1B rows")
