@@ -46,3 +46,21 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def consolidated_probe(run_dir: Path, data_dir: Path, out: Path) -> tuple[object, object, dict]:
+    """Consolidate a trained run into ``out`` and run its ``from_pretrained`` model on the
+    probe batch the trainer saved: ``(model, logits, probe)`` for the caller to compare."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.consolidate import consolidate
+
+    hf = consolidate(run_dir, data_dir, out)
+    probe = load_file(str(run_dir / "probe_logits.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager", dtype="auto")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits.float()
+    return model, logits, probe

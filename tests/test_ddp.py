@@ -32,11 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from tests.conftest import PY, subprocess_env
+from tests.conftest import PY, consolidated_probe, subprocess_env
 from tests.test_resume import CONFIG as RESUME_CONFIG
-from tests.test_resume import run_cli
+from tests.test_resume import run_cli, tokenize_for_tests
 
 STEPS = 10
 BASE = {
@@ -64,20 +63,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """test_resume's tokenized data (same sources, tokenizer and shards), built once here."""
-    from pipeline.config_files import expand_sources, parse_config
-
-    work = tmp_path_factory.mktemp("ddp-data")
-    files = [str(f) for f in expand_sources(parse_config(RESUME_CONFIG).data.sources)]
-    out = work / "data"
-    run_cli("pipeline.tokenizer", "train", "--input", *files, "--vocab-size", "384",
-            "--out", str(out / "tokenizer"), "--format", "txt")
-    for shard in range(2):
-        run_cli("pipeline.tokenize", "shard", "--input", *files, "--tokenizer",
-                str(out / "tokenizer"), "--seq-len", "32", "--shards", "2", "--shard", str(shard),
-                "--out", str(out), "--format", "txt", "--val-fraction", "0.1")
-    run_cli("pipeline.tokenize", "gather", "--out", str(out), "--shards", "2",
-            "--tokenizer", str(out / "tokenizer"))
-    return out
+    return tokenize_for_tests(tmp_path_factory.mktemp("ddp-data"), RESUME_CONFIG)
 
 
 def torchrun(run_dir: Path, data_dir: Path, nproc: int) -> subprocess.Popen:
@@ -201,16 +187,8 @@ def test_stopped_fp16_run_resumes_with_the_uninterrupted_losses_and_scaler(runs)
 
 @pytest.mark.slow
 def test_ddp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.consolidate import consolidate
-
-    out = consolidate(runs["ddp"], data_dir, data_dir.parent / "hf-ddp")
-    probe = load_file(str(runs["ddp"] / "probe_logits.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype="auto")
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits.float()
+    model, logits, probe = consolidated_probe(runs["ddp"], data_dir,
+                                              data_dir.parent / "hf-ddp")
     assert model.dtype == torch.float32
     assert torch.equal(logits, probe["logits"]), (logits - probe["logits"]).abs().max()
 

@@ -44,13 +44,12 @@ def run_cli(*argv: str) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
+def tokenize_for_tests(work: Path, config: dict) -> Path:
+    """The tiny tokenized dataset these tests train on (2 shards, seq 32), built through the
+    real tokenizer and tokenize commands from ``config``'s sources; returns the data dir."""
     from pipeline.config_files import expand_sources, parse_config
 
-    work = tmp_path_factory.mktemp("resume-data")
-    cfg = parse_config(CONFIG)
-    files = [str(f) for f in expand_sources(cfg.data.sources)]
+    files = [str(f) for f in expand_sources(parse_config(config).data.sources)]
     out = work / "data"
     run_cli("pipeline.tokenizer", "train", "--input", *files, "--vocab-size", "384",
             "--out", str(out / "tokenizer"), "--format", "txt")
@@ -60,6 +59,13 @@ def data_dir(tmp_path_factory) -> Path:
                 "--out", str(out), "--format", "txt", "--val-fraction", "0.1")
     run_cli("pipeline.tokenize", "gather", "--out", str(out), "--shards", "2",
             "--tokenizer", str(out / "tokenizer"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("resume-data")
+    out = tokenize_for_tests(work, CONFIG)
     (work / "config.yaml").write_text(yaml.safe_dump(CONFIG))
     return out
 

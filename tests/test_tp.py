@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
+from tests.conftest import consolidated_probe
 from tests.test_ddp import BASE, STEPS, data_dir, losses, max_rel, metrics, torchrun  # noqa: F401
 from tests.test_resume import run_cli
 
@@ -151,16 +151,8 @@ def test_tp_checkpoint_resumes_as_pure_data_parallel(runs):
 
 @pytest.mark.slow
 def test_tp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):  # noqa: F811
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.consolidate import consolidate
-
-    out = consolidate(runs["tp"], data_dir, data_dir.parent / "hf-tp")
-    probe = load_file(str(runs["tp"] / "probe_logits.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype="auto")
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits.float()
+    model, logits, probe = consolidated_probe(runs["tp"], data_dir,
+                                              data_dir.parent / "hf-tp")
     assert model.dtype == torch.float32
     # Full weights (DCP reshards the TP shards); only the TP matmuls' summation order differs.
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)

@@ -14,6 +14,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import PY, REPO, subprocess_env
 
 __all__ = ["PY", "REPO", "assert_refused", "run", "snapshot"]
@@ -57,3 +59,15 @@ def assert_refused(res: subprocess.CompletedProcess, *needles: str,
         after = snapshot(*roots)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         assert not changed, f"files changed by a refused command: {changed[:10]}"
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    """A data directory (tokenizer, shards, manifest) and a run directory, built once per
+    module (tests/bad_input/tiny_data.py)."""
+    from tests.bad_input.tiny_data import build_data, build_run
+
+    root = tmp_path_factory.mktemp("ws")
+    build_data(root)
+    build_run(root)
+    return root

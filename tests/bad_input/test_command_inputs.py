@@ -14,18 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.bad_input.conftest import REPO, assert_refused, run, snapshot
-from tests.bad_input.tiny_data import build_data, build_run
 
 CONFIG = str(REPO / "config" / "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    """A data directory (tokenizer, shards, manifest) and a run directory, built once."""
-    root = tmp_path_factory.mktemp("ws")
-    build_data(root)
-    build_run(root)
-    return root
 
 
 @pytest.fixture
