@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import os
 import re
@@ -350,16 +349,13 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
+    # The process's own symbols (libc is loaded already): ctypes.util.find_library would run
+    # ldconfig/gcc in a subprocess on every call.
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is None:
         return False
     at_fdcwd = -100
-    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    return rc == 0
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def fsync_dir(path: Path) -> None:
