@@ -54,6 +54,7 @@ StrategyMode = Literal["manual", "auto"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Accounting = Literal["deepspeed", "paper"]
 AttnImplementation = Literal["eager", "sdpa"]
+PipelineSchedule = Literal["gpipe", "1f1b"]
 
 
 def _no_nul(value: str) -> str:
@@ -252,10 +253,17 @@ class TrainConfig(_Strict):
     offload_params: bool = False
     """Keep parameters on the host between uses (DeepSpeed ZeRO-3 only)."""
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree: DTensor TP inside a node (``backend: fsdp`` only; it must divide
-    gpus_per_node, the attention and KV heads and the MLP's intermediate size)."""
+    """Tensor-parallel degree, inside a node: DTensor TP on ``backend: fsdp``, AutoTP on
+    ``backend: deepspeed`` (ZeRO 0-2). It must divide gpus_per_node, the attention and KV heads
+    and the MLP's intermediate size."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel degree (planned and rendered; the trainer runs pp = 1 only)."""
+    """Pipeline-parallel degree: ``torch.distributed.pipelining`` stages on ``backend: fsdp``,
+    DeepSpeed's ``PipelineModule`` on ``backend: deepspeed`` (ZeRO 0-1). The decoder layers are
+    split evenly over the stages; the micro batches of one step (``grad_accum``) flow through."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule on ``backend: fsdp`` (``gpipe``: all forwards, then all backwards;
+    ``1f1b``: one forward one backward, less activation memory; it needs grad_accum >= pp).
+    DeepSpeed runs its own 1F1B-style schedule."""
     precision: Precision = "fp32"
     """Compute precision; bf16/fp16 keep fp32 master weights (fp16 with loss scaling: DeepSpeed's,
     or ``torch.amp.GradScaler`` with ``backend: ddp``, which runs bf16/fp16 as autocast)."""
@@ -335,19 +343,46 @@ class TrainConfig(_Strict):
             )
         if self.deepspeed and self.backend != "deepspeed":
             raise ValueError("train.deepspeed: extra DeepSpeed keys need train.backend: deepspeed")
-        if self.tp > 1 and self.backend != "fsdp":
-            raise ValueError(
-                f"train.tp ({self.tp}): tensor parallelism runs on train.backend: fsdp only "
-                f"(DTensor TP × FSDP2); the {self.backend} backend trains with tp = 1. Set "
-                "train.backend: fsdp, or train.tp: 1"
-            )
-        if self.pp > 1:
-            raise ValueError(
-                f"train.pp ({self.pp}): the trainer does not run pipeline parallelism yet; plan "
-                "PP layouts with `python -m pipeline.plan --tp N --pp M` and set train.pp: 1 "
-                "here"
-            )
+        if self.tp > 1 or self.pp > 1:
+            self._check_model_parallel()
         return self
+
+    def _check_model_parallel(self) -> None:
+        # What each engine can run (the planner's ladder offers the same rungs only).
+        what = f"train.tp ({self.tp})" if self.tp > 1 else f"train.pp ({self.pp})"
+        if self.backend == "ddp":
+            raise ValueError(
+                f"{what}: backend ddp keeps a full replica per process (no tensor or pipeline "
+                "parallelism); use train.backend: fsdp, which runs TP × PP × DP"
+            )
+        if self.backend == "deepspeed":
+            if self.tp > 1 and self.pp > 1:
+                raise ValueError(
+                    f"train.tp ({self.tp}) with train.pp ({self.pp}): DeepSpeed cannot combine "
+                    "AutoTP with its PipelineModule; use train.backend: fsdp for TP × PP × DP"
+                )
+            if self.tp > 1 and self.zero_stage > 2:
+                raise ValueError(
+                    f"train.tp ({self.tp}): DeepSpeed's AutoTP trains with ZeRO 0-2; set "
+                    "train.zero_stage <= 2 (or use train.backend: fsdp)"
+                )
+            if self.pp > 1 and self.zero_stage > 1:
+                raise ValueError(
+                    f"train.pp ({self.pp}): DeepSpeed's pipeline engine allows ZeRO 0-1 only; "
+                    "set train.zero_stage <= 1 (or use train.backend: fsdp)"
+                )
+            if self.offload_optimizer or self.offload_params:
+                raise ValueError(
+                    f"{what}: DeepSpeed's tensor and pipeline parallelism run without offload; "
+                    "set train.offload_optimizer and train.offload_params to false"
+                )
+        if self.backend == "fsdp" and self.pp > 1 and self.pp_schedule == "1f1b" \
+                and self.grad_accum < self.pp:
+            raise ValueError(
+                f"train.pp_schedule 1f1b needs at least one micro batch per stage: "
+                f"train.grad_accum ({self.grad_accum}) < train.pp ({self.pp}); raise "
+                "train.grad_accum or use train.pp_schedule: gpipe"
+            )
 
 
 class PlanConfig(_Strict):
@@ -400,6 +435,17 @@ class RunConfig(_Strict):
                 f"({t.grad_accum}) × data-parallel degree ({self.dp_size} = cluster.nodes × "
                 f"cluster.gpus_per_node / (train.tp × train.pp)) = {self.global_batch_size}; "
                 "change one of them"
+            )
+        if t.pp > 1 and self.model.tie_word_embeddings:
+            raise ValueError(
+                f"train.pp ({t.pp}) with model.tie_word_embeddings: the embedding lives on the "
+                "first pipeline stage and the LM head on the last, so they cannot share one "
+                "weight; set model.tie_word_embeddings: false"
+            )
+        if t.pp > self.model.num_layers:
+            raise ValueError(
+                f"train.pp ({t.pp}) exceeds model.num_layers ({self.model.num_layers}): every "
+                "pipeline stage needs at least one decoder layer"
             )
         if self.data.seq_len > self.model.max_position_embeddings:
             raise ValueError(
