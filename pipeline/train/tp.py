@@ -37,9 +37,10 @@ COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
-    """Shard every decoder layer of ``model`` over the 1-D ``tp_mesh`` in place (collective:
-    every rank of the TP group calls it with the same, identically initialised model)."""
+def tensor_parallel(model: Any, tp_mesh: DeviceMesh, layers: list[Any] | None = None) -> None:
+    """Shard every decoder layer of ``model`` (or only ``layers``: a pipeline stage's) over the
+    1-D ``tp_mesh`` in place (collective: every rank of the TP group calls it with the same,
+    identically initialised model)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -48,7 +49,7 @@ def tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
 
     plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
     plan.update({name: RowwiseParallel() for name in ROWWISE})
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model) if layers is None else layers:
         parallelize_module(layer, tp_mesh, plan)
 
 
@@ -59,10 +60,12 @@ def _mesh_key(p: torch.Tensor) -> Any:
     return mesh.mesh_dim_names, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   pp_group: Any = None) -> float:
     """The global 2-norm of the gradients (before clipping), and clip them to ``max_norm`` when
     it is > 0, for parameters spread over several device meshes: the norm per mesh (a DTensor
-    norm made whole with ``full_tensor``), then the square root of their squares' sum."""
+    norm made whole with ``full_tensor``), then the square root of their squares' sum. With a
+    pipeline, each stage holds other parameters: the squares are summed over ``pp_group``."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -75,7 +78,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         for group in groups.values():
             clip_grads_with_norm_(group, max_norm, total)

@@ -48,6 +48,7 @@ from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
 from pipeline.model import build_model, flops_per_token, peak_flops
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims
+from pipeline.train.watchdog import Heartbeat
 
 log = logging.getLogger("pipeline.train")
 
@@ -86,6 +87,7 @@ class Recorder:
         self.on = rank == 0
         self.tb = None
         self.attempt = attempts(run_dir) + 1 if self.on else 1
+        self.heartbeat = Heartbeat(run_dir, rank)  # every rank: the node task's hang watchdog
         if self.on:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -99,6 +101,7 @@ class Recorder:
             append_event(self.run_dir, name, attempt=self.attempt, **kw)
 
     def step(self, rec: dict[str, Any]) -> None:
+        self.heartbeat.beat(rec["step"], "train")
         if self.on:
             append_jsonl(self.run_dir / METRICS, {**rec, "attempt": self.attempt})
         if self.tb is not None:
@@ -151,6 +154,23 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
+def local_param_count(engine: Any) -> int:
+    """Parameters this rank holds: local shards of DTensors (FSDP2, TP), DeepSpeed's partition
+    of a ZeRO-3 parameter (``ds_numel`` is the whole; ``ds_tensor`` the rank's part)."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        model = engine.engine.module
+    total = 0
+    for p in model.parameters():
+        if hasattr(p, "to_local"):
+            total += p.to_local().numel()
+        elif hasattr(p, "ds_tensor"):
+            total += p.ds_tensor.numel()
+        else:
+            total += p.numel()
+    return total
+
+
 class Trainer:
     """One rank's training of one rendered run.
 
@@ -193,6 +213,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.n_params, self.run.model.num_layers,
                                                self.run.model.hidden_size, self.run.data.seq_len)
         self.engine = self._build_engine(model)
+        tp_rank, pp_rank = env.rank % self.dims.tp, env.rank // (self.dims.world // self.dims.pp)
+        self.reports_loss = tp_rank == 0 and pp_rank == self.dims.pp - 1
+        # What each rank holds of the model (its local shards): the planner's per-rank count,
+        # checked against the engines in the tests.
+        shards = [0] * env.world_size
+        dist.all_gather_object(shards, local_param_count(self.engine))
+        self.layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                       "param_shards": shards}
         dp_rank, dp_size = dp_coords(self.dims, env.rank)
         self.loader = BatchLoader(dataset, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                                   dp_size=dp_size, seed=t.seed)
@@ -216,17 +244,7 @@ class Trainer:
                 f"launched with {world} processes, but the plan has "
                 f"{self.run.world_size} (cluster.nodes × cluster.gpus_per_node); re-render the run"
             )
-        # Config validation refuses these already.
-        if self.dims.tp > 1 and self.run.train.backend != "fsdp":
-            raise PipelineError(
-                f"train.tp ({self.dims.tp}): tensor parallelism runs on train.backend: fsdp "
-                f"only, not {self.run.train.backend}; set train.backend: fsdp or train.tp: 1"
-            )
-        if self.dims.pp > 1:
-            raise PipelineError(
-                f"train.pp ({self.dims.pp}): the trainer does not run pipeline parallelism yet; "
-                "set train.pp: 1"
-            )
+        # Which layouts an engine runs is checked by the config (TrainConfig), before launch.
 
     def _build_engine(self, model: Any) -> Any:
         t = self.run.train
@@ -240,21 +258,26 @@ class Trainer:
 
             # DistributedDataParallel over the default group: pure DP, no mesh needed.
             return DDPEngine(model, self.run, self.device)
+        self.mesh = build_mesh(self.dims, self.device.type, t.fsdp_sharding)
+        if self.dims.pp > 1:
+            from pipeline.train.pp import PipelineEngine
+
+            return PipelineEngine(model, self.run, self.device, mesh=self.mesh)
         from pipeline.train.engines import FSDPEngine
 
-        self.mesh = build_mesh(self.dims, self.device.type, t.fsdp_sharding)
         return FSDPEngine(model, self.run, self.device, mesh=self.mesh)
 
     def _resume(self) -> None:
         assert self.rec is not None
         path = self.ckpt.resume()
         if path is None:
-            self.rec.event("start", resumed_from=0, checkpoint=None)
+            self.rec.event("start", resumed_from=0, checkpoint=None, **self.layout)
             return
         t_load = time.perf_counter()
         self.state = self.ckpt.load(path, self.engine, self.loader)
         self.rec.event("load", step=self.state.step, seconds=time.perf_counter() - t_load)
-        self.rec.event("start", resumed_from=self.state.step, checkpoint=path.name)
+        self.rec.event("start", resumed_from=self.state.step, checkpoint=path.name,
+                       **self.layout)
 
     # --- train -------------------------------------------------------------------------------
 
@@ -272,9 +295,9 @@ class Trainer:
             ) + "\n")
         res = self.engine.train_step(micro)
         # The mean over the data-parallel ranks: the ranks of one TP group computed the same
-        # loss on the same batch, so only each group's first rank contributes (gloo has no AVG).
-        lead = self.env.rank % self.dims.tp == 0
-        loss = torch.tensor([res.loss if lead else 0.0], device=self.device)
+        # loss on the same batch, and only the last pipeline stage has it, so only those
+        # groups' first ranks contribute (gloo has no AVG).
+        loss = torch.tensor([res.loss if self.reports_loss else 0.0], device=self.device)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         mean_loss = loss.item() / self.dims.dp
         state.step += 1
@@ -312,6 +335,7 @@ class Trainer:
         assert self.rec is not None
         self.state.loader = self.loader.state_dict()
         t_save = time.perf_counter()
+        self.rec.heartbeat.beat(self.state.step, "save")  # the watchdog's save allowance
         self.ckpt.save(self.engine, self.state)
         self.rec.event("save", step=self.state.step, seconds=time.perf_counter() - t_save)
 
