@@ -15,6 +15,7 @@ nodes/*.json, checkpoints, weights) and Slurm's own record (squeue).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -116,6 +117,30 @@ def test_two_node_training(slurm_cluster: slurmcluster.ClusterInfo, shared: Path
     assert (measured_save_seconds(run_dir) or 0) > 0
     assert "shorter than the measured checkpoint time" in (save_time_warning(run_dir, 0) or "")
     assert save_time_warning(run_dir, 3600) is None
+
+
+def test_two_nodes_tensor_parallel_inside_data_parallel_across(
+        slurm_cluster: slurmcluster.ClusterInfo, shared: Path, corpus: Path,
+        data_dir: Path) -> None:
+    """2 nodes × 2 processes: TP = 2 inside each node (DTensor over the node's two ranks), DP = 2
+    across the nodes (FSDP2), the layout the planner gives 3-D runs (TP never spans nodes)."""
+    _two_nodes(slurm_cluster)
+    cfg = h.config_dict(corpus, nodes=2, gpus_per_node=2, max_steps=6, checkpoint_every=3)
+    cfg["train"]["tp"] = 2
+    run_dir = h.render(shared / "t1tp", cfg)
+    proc = h.run(h.launch_argv(run_dir, data_dir, partition=slurm_cluster.partition,
+                               job_name="zs-t1tp", extra=_job_env_args(slurm_cluster)),
+                 timeout=300)
+    assert json.loads(proc.stdout.splitlines()[-1])["step"] == 6
+    nodes = h.node_records(run_dir)
+    assert len({n["host"] for n in nodes}) == 2 and all(n["rc"] == 0 for n in nodes)
+    start = next(e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                 if e["event"] == "start")
+    assert (start["tp"], start["dp"], len(start["param_shards"])) == (2, 2, 4)
+    manifest = json.loads((run_dir / "checkpoints" / "step-000006" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+    assert [r["step"] for r in h.metrics(run_dir)] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) for r in h.metrics(run_dir))
 
 
 # --------------------------------------------------------------------------------------------
