@@ -70,11 +70,16 @@ def test_tp_larger_than_node() -> None:
     assert "cluster.gpus_per_node=8" in msg and "train.pp" in msg
 
 
-def test_pp_does_not_divide_layers() -> None:
-    msg = _one("layers", _messages(model=PRESETS["llama2-13b"],
-                                   cluster=Cluster(nodes=3, gpus_per_node=8),
-                                   strategy=Strategy(zero_stage=1, pp=3)))
-    assert msg.startswith("train.pp") and "40 layers" in msg
+def test_pp_exceeding_layers_is_refused_uneven_split_is_not() -> None:
+    # 40 layers over 3 stages is 14 + 13 + 13 (topology.stage_layers): allowed.
+    assert not any("layers" in m for m in _messages(
+        model=PRESETS["llama2-13b"], cluster=Cluster(nodes=3, gpus_per_node=8, host_mem_gb=512),
+        strategy=Strategy(zero_stage=1, pp=3)))
+    tiny = ModelShape(name="l2", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=4)
+    msg = _one("layers", _messages(model=tiny, cluster=Cluster(nodes=4, gpus_per_node=1),
+                                   strategy=Strategy(engine="fsdp", pp=4)))
+    assert msg.startswith("train.pp") and "2 layers" in msg and "pp ≤ 2" in msg
 
 
 def test_world_size_mismatch() -> None:

@@ -45,12 +45,30 @@ CASES = {
         batch=BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=8,
                         activation_checkpointing=True),
         strategy=Strategy(zero_stage=2, offload_optimizer=True)),
-    # Seed guide's 3D example: TP inside a node × PP across nodes × DP.
+    # Seed guide's 3D example: TP inside a node × PP across nodes × DP. DeepSpeed cannot
+    # combine AutoTP with its PipelineModule; fsdp runs all three.
     "seed_3d_tp4_pp4_70b_4x8": dict(
         model="llama2-70b", cluster=Cluster(nodes=4, gpus_per_node=8, host_mem_gb=HOST_GB),
         batch=BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=16,
                         activation_checkpointing=True),
-        strategy=Strategy(zero_stage=1, tp=4, pp=4)),
+        strategy=Strategy(engine="fsdp", fsdp_sharding="FULL_SHARD", tp=4, pp=4)),
+    # What DeepSpeed does run of it: AutoTP alone (ZeRO ≤ 2), or a PipelineModule alone (ZeRO-1).
+    "llama2_70b_autotp8_zero2_4x8": dict(
+        model="llama2-70b", cluster=Cluster(nodes=4, gpus_per_node=8, host_mem_gb=HOST_GB),
+        batch=BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=16,
+                        activation_checkpointing=True),
+        strategy=Strategy(zero_stage=2, tp=8)),
+    "llama2_13b_pp4_zero1_4x8": dict(
+        model="llama2-13b", cluster=Cluster(nodes=4, gpus_per_node=8, host_mem_gb=HOST_GB),
+        batch=BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=16,
+                        activation_checkpointing=True),
+        strategy=Strategy(zero_stage=1, pp=4)),
+    # auto, checkpointing left to the planner: the time-for-memory rung before TP and PP.
+    "llama2_70b_auto_4x8": dict(
+        model="llama2-70b", cluster=Cluster(nodes=4, gpus_per_node=8, host_mem_gb=HOST_GB),
+        batch=BatchSpec(seq_len=4096, micro_batch_size=1, grad_accum=16,
+                        activation_checkpointing=None),
+        strategy=Strategy()),
     "llama3_8b_fsdp_2x8": dict(
         model="llama3-8b", cluster=Cluster(nodes=2, gpus_per_node=8, host_mem_gb=HOST_GB),
         batch=BatchSpec(seq_len=8192, micro_batch_size=1, global_batch_size=64),
@@ -113,7 +131,7 @@ def test_golden(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_cases_pass_deepspeed_and_fit(name: str) -> None:
     p = _plan(CASES[name])
-    assert p.fits
+    assert p.fits and p.unsupported is None
     if p.strategy.engine == "deepspeed":
         cfg = render_ds_config(p)
         assert validate_ds_config(cfg, world_size=p.dims.world,
@@ -135,10 +153,22 @@ def test_seed_example_contents() -> None:
 
 
 def test_3d_example_maps_seed_keys() -> None:
-    cfg = render_ds_config(_plan(CASES["seed_3d_tp4_pp4_70b_4x8"]))
-    assert cfg["tensor_parallel"] == {"autotp_size": 4}
-    assert "stages" not in cfg["pipeline"] and "tp_size" not in cfg["tensor_parallel"]
-    assert cfg["train_batch_size"] == 1 * 16 * 2  # the pipeline grid's DP = 32 / (4 × 4)
+    cfg = render_fsdp_config(_plan(CASES["seed_3d_tp4_pp4_70b_4x8"]))
+    assert cfg["mesh"] == {"dim_names": ["pp", "dp_shard", "tp"], "shape": [4, 2, 4]}
+    tp = render_ds_config(_plan(CASES["llama2_70b_autotp8_zero2_4x8"]))
+    assert tp["tensor_parallel"] == {"autotp_size": 8} and "pipeline" not in tp
+    assert tp["train_batch_size"] == 1 * 16 * 32  # AutoTP: DeepSpeed counts the TP ranks
+    pp = render_ds_config(_plan(CASES["llama2_13b_pp4_zero1_4x8"]))
+    assert "stages" not in pp["pipeline"] and "tensor_parallel" not in pp
+    assert pp["train_batch_size"] == 1 * 16 * 8  # the pipeline grid's DP = 32 / 4
+
+
+def test_deepspeed_tp_with_pp_is_refused_naming_fsdp() -> None:
+    case = {**CASES["seed_3d_tp4_pp4_70b_4x8"], "strategy": Strategy(zero_stage=1, tp=4, pp=4)}
+    p = _plan(case)
+    assert p.unsupported and "train.backend=fsdp" in p.unsupported
+    assert p.suggestion is not None and p.suggestion.strategy.unsupported() is None
+    assert "NOT TRAINABLE" in render_plan_md(p)
 
 
 def _all_rungs():

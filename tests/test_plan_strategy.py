@@ -120,8 +120,12 @@ def test_cli_json(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert out["strategy"] == "ZeRO-1"
-    assert set(out["per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations",
-                                         "buffers", "total"}
+    b = out["per_gpu_bytes"]
+    assert set(b) == {"params", "grads", "optimizer", "model_states", "activations", "buffers",
+                      "total"}
+    # Model states as one figure beside its parts (the ZeRO paper's Table 1 figure).
+    assert b["model_states"] == b["params"] + b["grads"] + b["optimizer"]
+    assert out["activation_checkpointing"] is True
     assert out["host_bytes_per_node"] > 0
     assert out["topology"]["world_size"] == 32
 

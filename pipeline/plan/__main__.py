@@ -53,11 +53,27 @@ def _parser() -> argparse.ArgumentParser:
                    help=field_help(TrainConfig, "global_batch_size", default=False))
     mirror_argument(p, "--seq-len", DataConfig, "seq_len")
     mirror_argument(p, "--precision", TrainConfig, "precision")
-    mirror_argument(p, "--activation-checkpointing", TrainConfig, "activation_checkpointing")
+    mirror_argument(p, "--activation-checkpointing", TrainConfig, "activation_checkpointing",
+                    help=field_help(TrainConfig, "activation_checkpointing", default=False)
+                    + "; default: auto (the planner turns it on when no rung fits without it, "
+                    "before trying TP and PP)")
+    p.add_argument("--no-activation-checkpointing", action="store_true",
+                   help="never recompute activations (the planner may not turn it on)")
+    mirror_argument(p, "--pp-schedule", TrainConfig, "pp_schedule")
     mirror_argument(p, "--accounting", PlanConfig, "accounting")
     mirror_argument(p, "--headroom", PlanConfig, "headroom")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
+
+
+def _checkpointing(args: argparse.Namespace) -> bool | None:
+    # Neither flag: the planner decides (None), as it does for the strategy options.
+    if args.activation_checkpointing and args.no_activation_checkpointing:
+        raise PipelineError("--activation-checkpointing and --no-activation-checkpointing: "
+                            "give one of them")
+    if args.activation_checkpointing:
+        return True
+    return False if args.no_activation_checkpointing else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             engine=engine, zero_stage=args.zero_stage,
             fsdp_sharding=args.strategy if fsdp else None,
             offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-            tp=args.tp, pp=args.pp)
+            tp=args.tp, pp=args.pp, pp_schedule=args.pp_schedule)
         cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           gpu_mem_gb=args.gpu_mem_gb, host_mem_gb=args.host_mem_gb)
         batch = BatchSpec(seq_len=args.seq_len, micro_batch_size=args.micro_batch,
                           grad_accum=args.grad_accum, global_batch_size=args.global_batch,
                           precision=args.precision,
-                          activation_checkpointing=args.activation_checkpointing)
+                          activation_checkpointing=_checkpointing(args))
         # DeepSpeed logs to stdout (bound when it is first imported, inside check): keep stdout
         # for the plan / --json alone.
         with contextlib.redirect_stdout(sys.stderr):

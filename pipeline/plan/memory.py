@@ -39,13 +39,13 @@ attention can be plugged in; with GPT's settings it returns exactly the paper's 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, get_args
 
 from pipeline.config import Accounting
 from pipeline.errors import PipelineError
 from pipeline.plan.spec import BatchSpec, Strategy
-from pipeline.plan.topology import ParallelDims
+from pipeline.plan.topology import ParallelDims, layer_params_per_tp_rank, params_per_rank
 from pipeline.presets import ModelShape
 
 ACCOUNTINGS: tuple[str, ...] = get_args(Accounting)
@@ -113,35 +113,45 @@ class MemoryBreakdown:
 
 
 # -- parameters per GPU before data-parallel sharding ---------------------------------------------
-def local_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
-    """Parameters one GPU owns before ZeRO/FSDP sharding: its pipeline stage's slice / TP.
+def _scaled(model: ModelShape, count: int) -> int:
+    # A ``--params N`` shape only approximates N with its architecture: scale to the exact N.
+    if model.num_params_override is None:
+        return count
+    return int(count * model.num_params() / max(1, model._architecture_params()))
 
-    Linear weights and the (vocab-parallel) embedding / lm_head are split by ``tp``; RMSNorm
-    weights are replicated. With pipelining the heaviest stage counts: the first holds the
-    embedding, the last the final norm and lm_head (and a second copy of a tied embedding).
-    """
+
+def _untied_for_pipeline(model: ModelShape, pp: int) -> ModelShape:
+    # A pipeline cannot share one weight between the first and last stage; the pre-flight
+    # refuses tied embeddings with pp > 1, and the memory of such a request counts two copies.
+    if pp > 1 and model.tie_word_embeddings:
+        return replace(model, tie_word_embeddings=False)
+    return model
+
+
+def local_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
+    """Parameters the busiest GPU owns before ZeRO/FSDP sharding: the largest entry of
+    :func:`~pipeline.plan.topology.params_per_rank` (the engines' own split: decoder layers
+    split over TP, embedding, norms and lm_head replicated over TP; layers over stages by
+    :func:`~pipeline.plan.topology.stage_layers`, the embedding on the first stage, the final
+    norm and lm_head on the last)."""
     if tp == 1 and pp == 1:
         return model.num_params()
+    # A refused layout (pp > layers, tp not dividing the heads) still gets an estimate: the
+    # pre-flight names the problem.
+    pp = min(pp, model.num_layers)
+    return _scaled(model, max(params_per_rank(_untied_for_pipeline(model, pp), tp=tp, pp=pp,
+                                              exact=False).values()))
+
+
+def decoder_unit_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
+    """Parameters of the largest FSDP wrap unit on one GPU: a decoder layer (its TP slice), or
+    the embedding or final norm + lm_head (whole on every TP rank: TP splits decoder layers
+    only). The root unit holds embedding and lm_head together without a pipeline; counting the
+    larger of the two keeps the figure the planner has always used for ``tp == 1``."""
+    model = _untied_for_pipeline(model, pp)
     h = model.hidden_size
-    per_layer = (model.attention_params() + model.mlp_params()) // tp + 2 * h
-    layers = math.ceil(model.num_layers / pp)
-    embed = model.embedding_params() // tp
-    head = (model.vocab_size * h) // tp + h  # tied: the last stage needs its own copy
-    if pp == 1:
-        total = layers * per_layer + embed + (model.lm_head_params() // tp) + h
-    else:
-        total = layers * per_layer + max(embed, head)
-    if model.num_params_override is not None:
-        total = int(total * model.num_params() / max(1, model._architecture_params()))
-    return total
-
-
-def decoder_unit_params(model: ModelShape, *, tp: int = 1) -> int:
-    """Parameters of the largest FSDP wrap unit (a decoder layer, or the root's embedding/head)."""
-    unit = max(model.layer_params() // tp, model.embedding_params() // tp)
-    if model.num_params_override is not None:
-        unit = int(unit * model.num_params() / max(1, model._architecture_params()))
-    return unit
+    root = max(model.embedding_params(), h + model.lm_head_params())
+    return _scaled(model, max(layer_params_per_tp_rank(model, tp, exact=False), root))
 
 
 # -- activations -------------------------------------------------------------------------------------
@@ -181,7 +191,8 @@ def layer_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads
 
 
 def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
-                     sequence_parallel: bool = False, fused_attention: bool = True) -> int:
+                     sequence_parallel: bool = False, fused_attention: bool = True,
+                     pp_schedule: str = "1f1b") -> int:
     """Peak activation bytes on the busiest GPU for one configuration.
 
     Without recomputation every local layer keeps :func:`layer_activation_bytes`. With
@@ -189,7 +200,8 @@ def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
     only its input, 2sbh (Korthikanti §4, "full recomputation"), and one layer's full set is
     rebuilt at a time during backward. The output side is added for the stage holding lm_head:
     final-norm and lm_head inputs 4sbh, bf16 logits 2sbV, the fp32 copy HF's loss makes 4sbV and
-    the log-softmax saved by cross entropy 4sbV (vocab-parallel: /t).
+    the log-softmax saved by cross entropy 4sbV — whole on every TP rank, since the engines keep
+    lm_head replicated over TP (no vocab-parallel loss).
     fp32 training doubles every figure.
     """
     s, b, h, t = batch.seq_len, batch.micro_batch_size, model.hidden_size, dims.tp
@@ -203,10 +215,16 @@ def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
         stage = layers * kept + per_layer
     else:
         stage = layers * per_layer
-    # 1F1B: the first stage has min(p, micro batches per step) micro batches in flight (§4.2.3).
-    in_flight = min(dims.pp, dims.grad_accum) if dims.pp > 1 else 1
+    # 1F1B: the first stage has min(p, micro batches per step) micro batches in flight (§4.2.3);
+    # GPipe runs every forward of the step before the first backward: all of them.
+    if dims.pp == 1:
+        in_flight = 1
+    elif pp_schedule == "gpipe":
+        in_flight = dims.grad_accum
+    else:
+        in_flight = min(dims.pp, dims.grad_accum)
     first_stage = stage * in_flight
-    output = 4 * s * b * h + (2 + 4 + 4) * s * b * model.vocab_size / t
+    output = 4 * s * b * h + (2 + 4 + 4) * s * b * model.vocab_size
     last_stage = stage + output
     peak = max(first_stage, last_stage) if dims.pp > 1 else stage + output
     scale = 2 if batch.precision == "fp32" else 1
@@ -277,16 +295,19 @@ def estimate_memory(*, model: ModelShape, dims: ParallelDims, strategy: Strategy
         params, grads, optim, host, host_offload = _ddp_states(psi=psi, pb=pb, mixed=mixed)
     else:
         params, grads, optim, host, host_offload = _fsdp_states(
-            psi=psi, unit=decoder_unit_params(model, tp=dims.tp), shards=(p_shard, g_shard,
-                                                                          os_shard),
+            psi=psi, unit=decoder_unit_params(model, tp=dims.tp, pp=dims.pp),
+            shards=(p_shard, g_shard, os_shard),
             sharding=strategy.fsdp_sharding, gpn=gpn, pb=pb, mixed=mixed,
             offload=off_opt or off_par)
 
     acts = activation_bytes(model=model, batch=batch, dims=dims,
                             sequence_parallel=False,  # the trainer's TP has no sequence parallelism yet
-                            fused_attention=fused_attention)
+                            fused_attention=fused_attention,
+                            # DeepSpeed's PipelineEngine runs its own 1F1B-style schedule.
+                            pp_schedule=strategy.pp_schedule if strategy.engine == "fsdp"
+                            else "1f1b")
     buffers = _comm_buffers(strategy=strategy, psi=psi, pb=pb,
-                            unit=decoder_unit_params(model, tp=dims.tp))
+                            unit=decoder_unit_params(model, tp=dims.tp, pp=dims.pp))
     if batch.activation_checkpointing:
         notes.append("activation checkpointing: 2sbh per layer kept + one layer recomputed")
     return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optim),

@@ -144,34 +144,24 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
             f"{KEYS['deepspeed']} overrides: bf16={_enabled(overrides, 'bf16')}, "
             f"fp16={_enabled(overrides, 'fp16')}); choose one with {KEYS['precision']} and drop "
             f"the other from {KEYS['deepspeed']}"))
-    if chosen.engine == "deepspeed" and dims.pp > 1 and (chosen.zero_stage or 0) >= 2:
+    # What the engine itself cannot train (the ladder never proposes it; a pinned request can).
+    refusal = chosen.unsupported()
+    if refusal:
+        if the_plan.suggestion is not None:
+            refusal += f" ('{the_plan.suggestion.label()}' would fit)"
+        errors.append(PipelineError(refusal))
+    if dims.pp > 1 and model.tie_word_embeddings:
         errors.append(PipelineError(
-            f"{KEYS['zero_stage']}: ZeRO-{chosen.zero_stage} cannot be combined with a pipeline "
-            f"({KEYS['pp']}={dims.pp}): DeepSpeed's PipelineEngine supports ZeRO stage 0 or 1 "
-            f"only (ZeRO-3 would re-gather parameters every micro batch); set "
-            f"{KEYS['zero_stage']}=1, or {KEYS['pp']}=1 with ZeRO-3"))
-    if (chosen.engine == "fsdp" and request.offload_optimizer is not None
-            and request.offload_params is not None
-            and request.offload_optimizer != request.offload_params):
-        errors.append(PipelineError(
-            f"{KEYS['offload_optimizer']}: FSDP2's CPUOffloadPolicy offloads parameters, "
-            f"gradients and optimizer states together; set {KEYS['offload_optimizer']} and "
-            f"{KEYS['offload_params']} to the same value, or use train.backend=deepspeed"))
-    if chosen.engine == "ddp" and (chosen.offload_optimizer or chosen.offload_params):
-        errors.append(PipelineError(
-            f"{KEYS['offload_optimizer']}/{KEYS['offload_params']}: train.backend=ddp keeps every "
-            f"state on the GPU; drop the offload, or use train.backend=deepspeed or fsdp"))
-    if chosen.engine == "ddp" and (dims.tp > 1 or dims.pp > 1):
-        errors.append(PipelineError(
-            f"{KEYS['tp']}/{KEYS['pp']}: train.backend=ddp is data parallel only (tp = pp = 1); "
-            f"use train.backend=fsdp for tensor or pipeline parallelism"))
+            f"{KEYS['pp']}: PP={dims.pp} with tied embeddings: the embedding lives on the first "
+            f"stage and lm_head on the last, so they cannot share one weight; set "
+            f"model.tie_word_embeddings: false, or {KEYS['pp']}=1"))
     if chosen.engine == "deepspeed" and chosen.offload_params and chosen.zero_stage != 3:
         errors.append(PipelineError(
             f"{KEYS['offload_params']}: parameter offload needs ZeRO-3 (got ZeRO-"
             f"{chosen.zero_stage}); set {KEYS['zero_stage']}=3 or drop the offload"))
     mem = the_plan.memory
     if mem.total > the_plan.gpu_budget:
-        fix = (f"'{the_plan.suggestion.strategy.label()}' would fit "
+        fix = (f"'{the_plan.suggestion.label()}' would fit "
                f"({the_plan.suggestion.memory.total / GB:.1f} GB/GPU)"
                if the_plan.suggestion else
                "no rung of the ladder fits: add GPUs, shorten data.seq_len or lower "
@@ -180,7 +170,8 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
             fix += ("; ddp replicates every state on every GPU: train.backend=fsdp or deepspeed "
                     "shards them")
         errors.append(PipelineError(
-            f"{KEYS['gpu_mem_gb']}: '{chosen.label()}' needs {mem.total / GB:.1f} GB per GPU, "
+            f"{KEYS['gpu_mem_gb']}: '{the_plan.chosen.label()}' needs {mem.total / GB:.1f} GB per "
+            f"GPU, "
             f"{(mem.total - the_plan.gpu_budget) / GB:.1f} GB more than the "
             f"{the_plan.gpu_budget / GB:.1f} GB budget ({cluster.gpu_mem_gb:g} GB − "
             f"{cluster.gpu_reserved_gb:g} reserved, {headroom:.0%} headroom): params "
@@ -190,7 +181,8 @@ def check(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
     if mem.host_per_node > the_plan.host_budget:
         what = "offloaded states" if mem.host_offload_per_node else "start-up model copies"
         errors.append(PipelineError(
-            f"{KEYS['host_mem_gb']}: '{chosen.label()}' needs {mem.host_per_node / GB:.1f} GB of "
+            f"{KEYS['host_mem_gb']}: '{the_plan.chosen.label()}' needs "
+            f"{mem.host_per_node / GB:.1f} GB of "
             f"host RAM per node ({what}; {mem.host_offload_per_node / GB:.1f} GB resident), "
             f"{(mem.host_per_node - the_plan.host_budget) / GB:.1f} GB more than the node's "
             f"{the_plan.host_budget / GB:.1f} GB budget; spread over more nodes, offload less "

@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 from pipeline.plan.deepspeed_config import SEED_KEY_MAPPING
-from pipeline.plan.memory import MemoryBreakdown
 from pipeline.plan.spec import GB
-from pipeline.plan.strategy import Plan
+from pipeline.plan.strategy import Plan, Rung
 
 
 def _gb(n: int) -> str:
     return f"{n / GB:.2f}"
 
 
-def _row(label: str, m: MemoryBreakdown, verdict: str) -> str:
-    return (f"| {label} | {_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | "
-            f"{_gb(m.activations)} | {_gb(m.buffers)} | **{_gb(m.total)}** | "
-            f"{_gb(m.host_per_node)} | {verdict} |")
+def _row(r: Rung, verdict: str) -> str:
+    m = r.memory
+    return (f"| {r.label()} | {_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | "
+            f"{_gb(m.model_states)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
+            f"**{_gb(m.total)}** | {_gb(m.host_per_node)} | {verdict} |")
 
 
 def render_plan_md(plan: Plan) -> str:
     """The plan as Markdown: inputs, chosen strategy, per-GPU breakdown, rejected rungs, notes."""
     m, d, c, b = plan.model, plan.dims, plan.cluster, plan.batch
-    head = ("| strategy | params | grads | optimizer | activations | buffers | total GB/GPU | "
-            "host GB/node | verdict |\n|---|---|---|---|---|---|---|---|---|")
+    # "model states" = params + grads + optimizer, the ZeRO paper's Table 1 figure.
+    head = ("| strategy | params | grads | optimizer | model states | activations | buffers | "
+            "total GB/GPU | host GB/node | verdict |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [
         f"# Plan: {m.name} on {c.nodes} × {c.gpus_per_node} GPUs",
         "",
@@ -34,26 +35,26 @@ def render_plan_md(plan: Plan) -> str:
         f"- Training: seq {b.seq_len}, micro batch {d.micro_batch_size}, accumulation "
         f"{d.grad_accum}, global batch {d.global_batch_size} sequences "
         f"({d.global_batch_size * b.seq_len:,} tokens) per step, {b.precision}, activation "
-        f"checkpointing {'on' if b.activation_checkpointing else 'off'}",
+        f"checkpointing {_checkpointing(plan)}",
         f"- Accounting: `{plan.accounting}`; budget {_gb(plan.gpu_budget)} GB/GPU "
         f"({c.gpu_mem_gb:g} − {c.gpu_reserved_gb:g} reserved, {plan.headroom:.0%} headroom), "
         f"{_gb(plan.host_budget)} GB host/node",
         "",
-        f"## Chosen: {plan.strategy.label()} ({'fits' if plan.fits else 'DOES NOT FIT'})",
+        f"## Chosen: {plan.chosen.label()} ({_verdict(plan)})",
         "",
         f"Layout: world {d.world} = TP {d.tp} × PP {d.pp} × DP {d.dp} (TP inside a node). "
         f"Communication ≈ {plan.chosen.comm_bytes / GB:.1f} GB per GPU per step.",
         "",
         head,
-        _row(plan.strategy.label(), plan.memory, "chosen" if plan.fits else plan.chosen.reason),
+        _row(plan.chosen, "chosen" if plan.fits else plan.chosen.reason),
         "",
     ]
     if plan.rejected:
         lines += ["## Rejected rungs (in ladder order)", "", head]
-        lines += [_row(r.strategy.label(), r.memory, r.reason) for r in plan.rejected]
+        lines += [_row(r, r.reason) for r in plan.rejected]
         lines.append("")
     if plan.suggestion is not None:
-        lines += [f"Would fit: **{plan.suggestion.strategy.label()}** "
+        lines += [f"Would fit: **{plan.suggestion.label()}** "
                   f"({_gb(plan.suggestion.memory.total)} GB/GPU).", ""]
     if plan.notes or plan.memory.notes:
         lines += ["## Notes", ""]
@@ -64,4 +65,16 @@ def render_plan_md(plan: Plan) -> str:
         lines += [f"- `{k}` → {v}" for k, v in SEED_KEY_MAPPING.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _checkpointing(plan: Plan) -> str:
+    if not plan.batch.activation_checkpointing:
+        return "off"
+    return "on (chosen by the planner)" if plan.chosen.checkpointing_chosen else "on"
+
+
+def _verdict(plan: Plan) -> str:
+    if plan.unsupported:
+        return f"NOT TRAINABLE with train.backend={plan.strategy.engine}"
+    return "fits" if plan.fits else "DOES NOT FIT"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from pipeline.config import Backend, ClusterConfig, FsdpSharding, Precision
+from pipeline.config import Backend, ClusterConfig, FsdpSharding, PipelineSchedule, Precision
 from pipeline.config_files import field_default
 from pipeline.errors import PipelineError
 
@@ -36,6 +36,7 @@ KEYS: dict[str, str] = {
     "offload_params": "train.offload_params",
     "tp": "train.tp",
     "pp": "train.pp",
+    "pp_schedule": "train.pp_schedule",
     "deepspeed": "train.deepspeed",
 }
 
@@ -44,6 +45,7 @@ Engine = Backend
 ENGINES: tuple[str, ...] = get_args(Backend)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 FSDP_SHARDINGS: tuple[str, ...] = get_args(FsdpSharding)
+PP_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 
 GB = 1_000_000_000
 """Bytes per GB. Decimal, as the ZeRO paper (120 GB = 16 × 7.5e9) and GPU marketing use it."""
@@ -114,8 +116,9 @@ class BatchSpec:
     precision: Precision = "bf16"
     """Parameter/activation dtype in compute: ``bf16``/``fp16`` (mixed precision) or ``fp32``."""
 
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward (keeps only its input, Korthikanti et al. §4)."""
+    activation_checkpointing: bool | None = False
+    """Recompute each decoder layer in backward (keeps only its input, Korthikanti et al. §4);
+    ``None``: the ``auto`` ladder decides (it tries it before tensor and pipeline parallelism)."""
 
     def __post_init__(self) -> None:
         _positive_int("seq_len", self.seq_len)
@@ -124,6 +127,9 @@ class BatchSpec:
             _positive_int("grad_accum", self.grad_accum)
         if self.global_batch_size is not None:
             _positive_int("global_batch_size", self.global_batch_size)
+        if self.activation_checkpointing not in (None, True, False):
+            raise PipelineError(f"{KEYS['activation_checkpointing']}: must be true or false, got "
+                                f"{self.activation_checkpointing!r}")
         if self.precision not in PRECISIONS:
             raise PipelineError(
                 f"{KEYS['precision']}: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -160,6 +166,10 @@ class Strategy:
     pp: int | None = None
     """Pipeline-parallel degree (across nodes); ``None`` = auto."""
 
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule of the fsdp engine (``gpipe`` keeps every micro batch of a step in
+    flight, ``1f1b`` at most ``pp``); DeepSpeed's PipelineEngine always runs its own 1F1B."""
+
     reduce_bucket_size: int = 200_000_000
     """Elements per gradient reduce bucket (DeepSpeed ``reduce_bucket_size``)."""
 
@@ -191,6 +201,9 @@ class Strategy:
         if self.engine == "ddp" and self.fsdp_sharding is not None:
             raise PipelineError(f"{KEYS['fsdp_sharding']}: set only with train.backend=fsdp; "
                                 "ddp shards nothing (every rank holds the whole model)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise PipelineError(f"{KEYS['pp_schedule']}: {self.pp_schedule!r} is not one of "
+                                f"{', '.join(PP_SCHEDULES)}")
         for key in ("tp", "pp"):
             value = getattr(self, key)
             if value is not None:
@@ -214,6 +227,43 @@ class Strategy:
         if self.engine == "ddp":
             return False
         return self.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
+
+    def unsupported(self) -> str | None:
+        """Why the engine cannot train this resolved strategy (``None``: it can).
+
+        The rules of ``pipeline.config.TrainConfig._check_model_parallel``, the engines' own:
+        fsdp runs TP × PP × DP (DTensor, ``torch.distributed.pipelining``, FSDP2/HSDP);
+        DeepSpeed runs AutoTP (TP with ZeRO 0-2) or its ``PipelineModule`` (PP with ZeRO 0-1),
+        never both, and neither with offload; ddp is data parallel only.
+        """
+        tp, pp = self.tp or 1, self.pp or 1
+        offload = bool(self.offload_optimizer or self.offload_params)
+        if self.engine == "ddp" and (tp > 1 or pp > 1):
+            return (f"{KEYS['tp']}/{KEYS['pp']}: train.backend=ddp is data parallel only "
+                    f"(tp = pp = 1); use train.backend=fsdp for tensor or pipeline parallelism")
+        if self.engine == "fsdp" and offload:
+            return (f"{KEYS['offload_optimizer']}/{KEYS['offload_params']}: the fsdp trainer has "
+                    f"no CPU offload; use train.backend=deepspeed (ZeRO-Offload), or more GPUs")
+        if self.engine != "deepspeed" or (tp == 1 and pp == 1):
+            return None
+        if tp > 1 and pp > 1:
+            return (f"{KEYS['tp']} × {KEYS['pp']}: DeepSpeed cannot combine AutoTP (TP={tp}) "
+                    f"with its PipelineModule (PP={pp}); use train.backend=fsdp, which runs "
+                    f"TP × PP × DP, or keep one of the two at 1")
+        if tp > 1 and (self.zero_stage or 0) > 2:
+            return (f"{KEYS['zero_stage']}: DeepSpeed's AutoTP (TP={tp}) trains with ZeRO 0-2, "
+                    f"not ZeRO-{self.zero_stage}; set {KEYS['zero_stage']} ≤ 2 or "
+                    f"train.backend=fsdp")
+        if pp > 1 and (self.zero_stage or 0) > 1:
+            return (f"{KEYS['zero_stage']}: ZeRO-{self.zero_stage} cannot be combined with a "
+                    f"pipeline ({KEYS['pp']}={pp}): DeepSpeed's PipelineEngine supports ZeRO stage "
+                    f"0 or 1 only; set {KEYS['zero_stage']}=1, or {KEYS['pp']}=1 with ZeRO-3, or "
+                    f"train.backend=fsdp")
+        if offload:
+            return (f"{KEYS['offload_optimizer']}/{KEYS['offload_params']}: DeepSpeed's tensor "
+                    f"and pipeline parallelism run without offload; set both to false, or "
+                    f"{KEYS['tp']}={KEYS['pp']}=1")
+        return None
 
     def label(self) -> str:
         """Short human name of a resolved strategy, e.g. ``ZeRO-2 + optimizer offload``."""

@@ -9,10 +9,13 @@ whole nodes and only point-to-point activations cross the slower inter-node link
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import PipelineError
 from pipeline.plan.spec import KEYS
+
+if TYPE_CHECKING:
+    from pipeline.presets import ModelShape
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -97,11 +100,12 @@ class ParallelDims:
                 out.append(PipelineError(
                     f"{KEYS['tp']}: TP={self.tp} does not divide the model's {count} {what} "
                     f"(each TP rank must own whole heads); use one of {divisors}"))
-        if num_layers is not None and num_layers % self.pp:
-            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        if num_layers is not None and self.pp > num_layers:
+            # Uneven splits are fine (stage_layers gives the first stages one layer more); an
+            # empty stage is not.
             out.append(PipelineError(
-                f"{KEYS['pp']}: PP={self.pp} does not divide the model's {num_layers} layers "
-                f"(stages would be unbalanced); use one of {divisors}"))
+                f"{KEYS['pp']}: PP={self.pp} exceeds the model's {num_layers} layers; every "
+                f"pipeline stage needs at least one decoder layer: use pp ≤ {num_layers}"))
         if self.world % (self.tp * self.pp):
             out.append(PipelineError(
                 f"{KEYS['tp']} × {KEYS['pp']}: TP×PP={self.tp * self.pp} does not divide the "
@@ -172,3 +176,105 @@ def render_topology(dims: ParallelDims, *, seq_len: int) -> dict[str, Any]:
                           f"accum {dims.grad_accum} × dp {dims.dp}"),
         "deepspeed_train_batch_size": dims.deepspeed_train_batch_size,
     }
+
+
+# -- what each rank holds ------------------------------------------------------------------------
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The decoder layers each pipeline stage owns: THE rule, shared by the planner and the
+    trainers (torch-free, so the login node and the ranks compute the same split).
+
+    Contiguous blocks in layer order, as equal as possible: stage ``s`` owns
+    ``range(start_s, start_s + n_s)`` with ``n_s = num_layers // pp + (1 if s < num_layers % pp
+    else 0)`` — when ``pp`` divides ``num_layers`` every stage gets ``num_layers / pp`` layers,
+    otherwise the first ``num_layers % pp`` stages get one more. Contiguity keeps a stage's
+    input the previous stage's output (one point-to-point send per boundary); putting the
+    extra layers first leaves the last stage, which also holds the final norm and lm_head and
+    computes the loss, the lighter block.
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            key = KEYS["pp"] if name == "pp" else "model.num_layers"
+            raise PipelineError(f"{key}: must be a positive integer, got {value!r}")
+    if pp > num_layers:
+        raise PipelineError(
+            f"{KEYS['pp']}: PP={pp} exceeds the model's {num_layers} layers; every pipeline "
+            f"stage needs at least one decoder layer: use pp ≤ {num_layers}")
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        count = base + (1 if stage < extra else 0)
+        out.append(range(start, start + count))
+        start += count
+    return out
+
+
+def _tp_split(what: str, size: int, tp: int, exact: bool = True) -> int:
+    if size % tp and not exact:
+        return -(-size // tp)  # the largest slice, for a memory estimate of a refused layout
+    if size % tp:
+        raise PipelineError(
+            f"{KEYS['tp']}: TP={tp} does not divide the model's {what} ({size}); each TP rank "
+            f"must own an equal slice: use a divisor of {size}")
+    return size // tp
+
+
+def layer_params_per_tp_rank(model: ModelShape, tp: int = 1, *, exact: bool = True) -> int:
+    """Parameters of one decoder layer on one TP rank (every rank holds the same count).
+
+    Megatron-LM's split, as DTensor's ``ColwiseParallel``/``RowwiseParallel`` apply it
+    (``pipeline/train/tp.py``): q, k, v, gate and up are split on their output dimension
+    (weight rows and bias), o and down on their input dimension (weight columns; their bias is
+    added after the all-reduce, so it is replicated), and both RMSNorm weights are replicated.
+    ``tp`` must divide the heads, the KV heads and the intermediate size (``exact=False``: the
+    largest rank's slice of a layout the pre-flight refuses, for its memory estimate).
+    """
+    h, d, i = model.hidden_size, model.head_size, model.intermediate_size
+    q_out = _tp_split("attention heads", model.num_heads, tp, exact) * d
+    kv_out = _tp_split("KV heads", model.num_kv_heads, tp, exact) * d
+    i_local = _tp_split("intermediate size", i, tp, exact)
+    attn = h * q_out + 2 * h * kv_out + q_out * h
+    if model.attention_bias:
+        attn += q_out + 2 * kv_out + h  # q/k/v biases split, o bias whole
+    mlp = 3 * h * i_local + ((2 * i_local + h) if model.mlp_bias else 0)
+    return attn + mlp + 2 * h
+
+
+def params_per_rank(model: ModelShape, *, tp: int = 1, pp: int = 1,
+                    exact: bool = True) -> dict[tuple[int, int], int]:
+    """Model parameters each rank holds before data-parallel sharding, keyed by
+    ``(pp_stage, tp_rank)``.
+
+    - decoder layers: :func:`stage_layers` decides which stage owns which layer; each layer is
+      split over TP as :func:`layer_params_per_tp_rank` says;
+    - ``embed_tokens`` on the first stage, the final norm and ``lm_head`` on the last, all
+      replicated over TP (the fsdp trainer's TP plan shards the decoder layers only);
+    - with ``pp == 1`` a tied ``lm_head`` is the embedding, counted once (as ``transformers``
+      does); a pipeline needs untied embeddings (the first and last stage each hold one).
+
+    The sum over the stages of one TP rank, with ``tp == 1``, is ``model.num_params()``.
+    Architecture counts: a ``--params`` shape's override is not applied here. ``exact=False``
+    (the memory planner, for a layout the pre-flight refuses anyway) rounds TP slices up instead
+    of raising.
+    """
+    if pp > 1 and model.tie_word_embeddings:
+        raise PipelineError(
+            f"{KEYS['pp']}: PP={pp} with tied embeddings: the embedding lives on the first stage "
+            f"and lm_head on the last, so they cannot share one weight; set "
+            f"model.tie_word_embeddings: false, or {KEYS['pp']}=1")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise PipelineError(f"{KEYS['tp']}: must be a positive integer, got {tp!r}")
+    per_layer = layer_params_per_tp_rank(model, tp, exact=exact)
+    h = model.hidden_size
+    embed = model.vocab_size * h
+    head = h + (0 if model.tie_word_embeddings else model.vocab_size * h)
+    stages = stage_layers(model.num_layers, pp)
+    out: dict[tuple[int, int], int] = {}
+    for s, layers in enumerate(stages):
+        count = len(layers) * per_layer
+        if s == 0:
+            count += embed
+        if s == pp - 1:
+            count += head
+        for r in range(tp):
+            out[(s, r)] = count
+    return out
