@@ -55,6 +55,7 @@ LOCK = "train.lock"  # train: rank 0 holds it while training (one trainer per ru
 PROBE_LOGITS = "probe_logits.safetensors"  # train → consolidate: logits of the final model
 CHECKPOINTS = "checkpoints"
 NODES = "nodes"  # launcher: one record per node and attempt
+HEARTBEAT_DIR = "heartbeat"  # train → launcher: rank-NNNNN, each rank's latest step and phase
 SUBMITIT = "submitit"
 HF_DIR = "hf"  # consolidate
 HF_PROVENANCE = "zerosnake.json"  # consolidate: which checkpoint the HF dir came from
@@ -70,13 +71,18 @@ EVAL_METRICS = "metrics.json"
 RUN_DIR_NAMES = frozenset({
     RUN_CONFIG, DS_CONFIG, FSDP_CONFIG, TOPOLOGY, PLAN_MD, PLAN_JSON, LAUNCH, JOB, EVENTS,
     METRICS, TRAIN_DONE, STOPPED, STOP, LOCK, PROBE_LOGITS, CHECKPOINTS, NODES, SUBMITIT, HF_DIR,
-    EVAL_DIR, "tb",
+    EVAL_DIR, "tb", HEARTBEAT_DIR,
 })
 
 # --- a checkpoint folder ---------------------------------------------------------------------
 CKPT_MANIFEST = "manifest.json"  # written last: the checkpoint is complete once it exists
 CKPT_TRAINER = "trainer.json"
 STEP_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    """A rank's heartbeat file (``pipeline.train.watchdog``): step, phase, host, pid, time."""
+    return run_dir / HEARTBEAT_DIR / f"rank-{rank:05d}"
 
 
 def step_name(step: int) -> str:
