@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
+from pipeline.goodput import format_goodput, goodput
 from pipeline.io import write_json_atomic, write_text_atomic
 
 # No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
@@ -329,12 +330,14 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
         }
         write_json_atomic(tmp / af.EVAL_METRICS, metrics)
         plot_training(records, tmp / "loss.png", result["loss"])
-        write_text_atomic(tmp / "report.md", _report(run_dir.name, metrics, records))
+        write_text_atomic(tmp / "report.md",
+                          _report(run_dir.name, metrics, records, goodput(run_dir)))
         (tmp / af.EVAL_MARKER).write_text(json.dumps({"written_by": "evaluate"}) + "\n")
     return metrics
 
 
-def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
+def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]],
+            gp: dict[str, Any] | None = None) -> str:
     tps = _series(records, "step", "tokens_per_s")[1]
     lines = [
         f"# Run `{run}`",
@@ -359,6 +362,9 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]]) -> str:
         lines.append("")
     elif "skipped" in harness:
         lines += [f"lm-eval: {harness['skipped']}", ""]
+    if gp is not None:
+        # Where the training's wall time went (pipeline.goodput): attempts, saves, lost work.
+        lines += ["## Goodput", "", format_goodput(gp), ""]
     lines += ["## Samples (greedy)", ""]
     for sample in m["samples"]:
         lines += ["```", sample["text"], "```", ""]

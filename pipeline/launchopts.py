@@ -114,6 +114,16 @@ class LaunchOptions:
     """Requeues after a preemption (a signal well before the limit) before giving up."""
     max_failures: int = _opt(2, resource="max_failures")
     """Requeues after a rank or node failure, from the last complete checkpoint."""
+    hang_timeout_s: int = _opt(300, resource="hang_timeout_s")
+    """Seconds a rank may go without finishing a step before the job's node task declares it
+    hung (frozen, stuck in a collective), names it, kills the ranks (SIGKILL) and retries from
+    the last checkpoint within max_failures; 0 turns the watchdog off. Keep it above the
+    slowest step and well under the time limit."""
+    hang_startup_s: int = _opt(900, resource="hang_startup_s")
+    """The watchdog's allowance from torchrun's start to the end of the first step (process
+    group, checkpoint load, the first step's warm-up)."""
+    hang_save_s: int = _opt(900, resource="hang_save_s")
+    """The watchdog's allowance for a checkpoint save and the step after it."""
     job_name: str = _opt("zerosnake")
     """Job name as Slurm shows it (the train rule passes ``zs-<run>``)."""
     poll_s: float = _opt(5.0, resource="poll_s")

@@ -3,6 +3,8 @@
 Reads only the run directories' artifacts (config.json, job.json, events.jsonl, metrics.jsonl,
 checkpoints/, stopped.json, train.done, hf/, eval/) plus one ``squeue`` call for the Slurm
 state of the recorded jobs, so it is cheap to run on a login node while jobs are queued.
+The goodput column is :func:`pipeline.goodput.goodput` (``--json``: its whole breakdown); a
+time-limit signal lead shorter than the run's measured steps and saves need is a warning.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.distenv import squeue_states
 from pipeline.errors import PipelineError
+from pipeline.goodput import goodput, save_time_warning
 
 #: How many of the newest metrics records the tokens/s column averages.
 RATE_WINDOW = 20
@@ -36,13 +39,18 @@ class RunStatus:
     restarts: int = 0
     checkpoint: str = "-"
     tokens_per_s: str = "-"
+    goodput: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def row(self) -> list[str]:
+        g = self.goodput
+        share = "-" if not g or g["goodput"] is None else f"{100 * g['goodput']:.0f}%"
         return [self.run, self.stage, self.job_id, self.slurm_state, self.step,
-                str(self.restarts), self.checkpoint, self.tokens_per_s]
+                str(self.restarts), self.checkpoint, self.tokens_per_s, share]
 
 
-HEADER = ["run", "stage", "job", "slurm", "step", "restarts", "checkpoint", "tokens/s"]
+HEADER = ["run", "stage", "job", "slurm", "step", "restarts", "checkpoint", "tokens/s",
+          "goodput"]
 
 
 def _stage(run_dir: Path, job: dict[str, Any] | None, metrics: list[dict[str, Any]]) -> str:
@@ -86,6 +94,13 @@ def run_status(run_dir: Path) -> RunStatus:
     # Restarts: attempts of the training loop beyond the first.
     st.restarts = max(0, af.attempts(run_dir) - 1)
     st.checkpoint = af.latest_checkpoint_name(run_dir) or "-"
+    st.goodput = goodput(run_dir)
+    policy = job.get("policy") if job is not None else None
+    delay = policy.get("signal_delay_s") if isinstance(policy, dict) else None
+    if isinstance(delay, int) and st.stage not in ("trained", "consolidated", "evaluated"):
+        warning = save_time_warning(run_dir, delay)
+        if warning:
+            st.warnings.append(warning)
     return st
 
 
@@ -147,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.status",
         description="Print a table of every run: stage, job id, Slurm state, step, restarts, "
-        "last checkpoint, tokens/s.",
+        "last checkpoint, tokens/s, goodput (productive share of the wall time; --json: "
+        "its breakdown per attempt).",
     )
     p.add_argument("--results", type=Path, default=Path("results"), help="results directory")
     p.add_argument("--json", action="store_true", help="one JSON object per run instead")
@@ -168,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
     else:
         print(f"no runs under {args.results / 'runs'}")
+    for r in rows:
+        for line in r.warnings:
+            print(f"warning: {r.run}: {line}", file=sys.stderr)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     return 1 if problems else 0

@@ -15,6 +15,9 @@ On Slurm the job looks after itself, so that it keeps going while nobody watches
 * rank or node failure (torchrun exits with anything else): the head node's task requeues the
   job itself, which resumes from the last complete checkpoint, up to ``max_failures`` times; a
   node that failed its rendezvous is added to the job's exclude list.
+* a hung rank (no heartbeat for ``hang_timeout_s``: :mod:`pipeline.train.watchdog`): the node
+  task that runs it names it (``launch.hang``), kills its torchrun with every rank (SIGKILL),
+  and the failure is handled as above. Locally the task retries within the same budget.
 
 What happened is in ``events.jsonl`` (events named ``launch.*``) and
 ``nodes/r<restart>-n<node>.json`` (one file per node and attempt).
@@ -58,6 +61,7 @@ from pipeline.distenv import (
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic
 from pipeline.launchopts import LaunchOptions
+from pipeline.train.watchdog import Limits, Stale, Watch, kill_tree
 
 log = logging.getLogger("pipeline.train.node")
 
@@ -78,6 +82,16 @@ def requeues_of(run_dir: Path, job_id: str, reason: str) -> int:
         1 for e in read_events(run_dir, "launch.requeue")
         if e.get("job_id") == job_id and e.get("reason") == reason
     )
+
+
+def _job_id() -> str:
+    """This job's id: Slurm's, or submitit's local one (the controller's pid)."""
+    if "SLURM_JOB_ID" in os.environ:
+        return os.environ["SLURM_JOB_ID"]
+    try:
+        return str(submitit.JobEnvironment().job_id)
+    except RuntimeError:  # not inside a submitit job (a test calling the task directly)
+        return "local"
 
 
 def _ignore_usr2() -> None:
@@ -109,10 +123,19 @@ class NodeTask(submitit.helpers.Checkpointable):
         self._proc: subprocess.Popen | None = None
         self._node: NodeEnv | None = None
         self._rdzv_error = False
+        self._hung: list[Stale] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # A requeue pickles the task again: the running process is not part of its state.
-        return {**self.__dict__, "_proc": None, "_node": None, "_rdzv_error": False}
+        return {**self.__dict__, "_proc": None, "_node": None, "_rdzv_error": False,
+                "_hung": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_hung": [], **state})
+
+    @property
+    def opts(self) -> LaunchOptions:
+        return self.policy if self.policy is not None else LaunchOptions()
 
     def _argv(self, node: NodeEnv | None) -> list[str]:
         return torchrun_argv(
@@ -129,15 +152,86 @@ class NodeTask(submitit.helpers.Checkpointable):
         node = node_env_from_slurm() if "SLURM_JOB_ID" in os.environ else None
         if node is not None and node.nnodes != self.nnodes:
             raise PipelineError(f"job has {node.nnodes} nodes, the plan {self.nnodes}")
+        return self._run_local(node)
+
+    def _run_local(self, node: NodeEnv | None) -> dict[str, Any]:
+        """One node on this host: torchrun under the watchdog, retried after a failure or a
+        hang from the last complete checkpoint, up to ``max_failures`` times."""
         run_dir = Path(self.run_dir)
-        self._proc = subprocess.Popen(self._argv(node))
-        rc = self._proc.wait()
-        if rc == 0 and (run_dir / TRAIN_DONE).exists():
-            return read_train_done(run_dir)
-        stopped = read_json_or_none(run_dir / STOPPED)
-        if stopped is not None:
-            return {"stopped": stopped}
-        raise RuntimeError(f"torchrun exited with status {rc}; see the rank logs above")
+        host = socket.gethostname()
+        job_id = _job_id()
+        while True:
+            started = time.time()
+            append_event(run_dir, "launch.attempt", job_id=job_id, launcher="local", host=host,
+                         nnodes=1)
+            self._proc = subprocess.Popen(self._argv(node))
+            rc = self._supervise()
+            if rc == 0 and (run_dir / TRAIN_DONE).exists():
+                append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="done")
+                return read_train_done(run_dir)
+            stopped = None if self._hung else self._fresh_stopped(started)
+            if stopped is not None:
+                append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="stopped")
+                return {"stopped": stopped}
+            why = self._failure_text(rc, host)
+            used = requeues_of(run_dir, job_id, "failure")
+            append_event(run_dir, "launch.failure", job_id=job_id, rc=rc, failed_hosts=[host],
+                         hang=bool(self._hung), checkpoint=latest_checkpoint_name(run_dir))
+            if used >= self.opts.max_failures:
+                append_event(run_dir, "launch.giveup", job_id=job_id, reason="failure",
+                             budget=self.opts.max_failures)
+                append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="failed")
+                raise RuntimeError(f"{why}; the failure budget (max_failures="
+                                   f"{self.opts.max_failures}) is spent")
+            log.error("%s; retrying from %s (failure %d of %d)", why,
+                      latest_checkpoint_name(run_dir) or "the start", used + 1,
+                      self.opts.max_failures)
+            append_event(run_dir, "launch.requeue", job_id=job_id, reason="failure", n=used + 1,
+                         checkpoint=latest_checkpoint_name(run_dir))
+            append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="failed")
+            self._hung = []
+
+    def _failure_text(self, rc: int, host: str) -> str:
+        if self._hung:
+            return "hang: " + "; ".join(s.describe() for s in self._hung)
+        return f"torchrun exited with status {rc} on {host}; see the rank logs above"
+
+    # -- the watchdog --------------------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        """Wait for torchrun (poll + sleep, see :meth:`_poll`) while watching its ranks'
+        heartbeats; a hung rank is named (``launch.hang``, the log) and the whole torchrun
+        tree killed: the return is then torchrun's status after SIGKILL."""
+        assert self._proc is not None
+        o = self.opts
+        watch = Watch(Path(self.run_dir), self._proc.pid,
+                      Limits(train_s=o.hang_timeout_s, startup_s=o.hang_startup_s,
+                             save_s=o.hang_save_s))
+        next_check = 0.0
+        while (rc := self._proc.poll()) is None:
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                stale = watch.poll()
+                if stale:
+                    self._on_hang(stale)
+                    return self._proc.wait()
+            time.sleep(0.2)
+        return rc
+
+    def _on_hang(self, stale: list[Stale]) -> None:
+        assert self._proc is not None
+        self._hung = stale
+        run_dir = Path(self.run_dir)
+        ckpt = latest_checkpoint_name(run_dir)
+        for s in stale:
+            log.error("hang: %s; killing torchrun and its ranks (SIGKILL); the launcher "
+                      "retries from %s", s.describe(), ckpt or "the start")
+        append_event(run_dir, "launch.hang", job_id=_job_id(), host=stale[0].host,
+                     ranks=[s.__dict__ for s in stale], checkpoint=ckpt,
+                     restart=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+        if self._node is not None:
+            self._node_record(hang=[s.__dict__ for s in stale])
+        kill_tree(self._proc.pid)
 
     # -- Slurm ---------------------------------------------------------------------------------
 
@@ -188,27 +282,32 @@ class NodeTask(submitit.helpers.Checkpointable):
                                       preexec_fn=_ignore_usr2)
         tee = threading.Thread(target=self._tee_stderr, args=(self._proc.stderr,), daemon=True)
         tee.start()
-        rc = self._poll()
-        assert rc is not None
+        rc = self._supervise()
         tee.join(timeout=5)
         self._node_record(rc=rc, end=time.time(), rdzv_error=self._rdzv_error)
+        head = node.node_rank == 0
         if rc == 0:
-            if node.node_rank != 0:
+            if not head:
                 return {"node": node.node_rank, "host": host, "rc": 0}
             # Rank 0 writes train.done and may live on another node (the c10d rendezvous orders
             # nodes by address and pid, not by SLURM_NODEID): its torchrun can end later.
             if self._wait_done(wait_s=60):
+                append_event(run_dir, "launch.end", job_id=node.job_id, rc=0, outcome="done")
                 return read_train_done(run_dir)
             raise RuntimeError("torchrun exited 0 but train.done is missing")
         # torchrun reports a rank's EXIT_REQUEUE as a failure (its own exit status is 1): a
         # stop request is recognized by the stopped.json rank 0 writes after the save.
-        stopped = self._fresh_stopped(started, wait_s=10 if rc != EXIT_REQUEUE else 0)
+        stopped = None if self._hung else self._fresh_stopped(
+            started, wait_s=10 if rc != EXIT_REQUEUE else 0)
         if stopped is not None:
             # With a signal, checkpoint() takes over on the head node (it runs in this
             # process); a STOP file put there by a user ends the job here.
+            if head:
+                append_event(run_dir, "launch.end", job_id=node.job_id, rc=rc,
+                             outcome="stopped")
             return {"stopped": stopped}
-        if node.node_rank != 0:
-            raise RuntimeError(f"torchrun exited with status {rc} on {host}")
+        if not head:
+            raise RuntimeError(self._failure_text(rc, host))
         return self._on_failure(node, rc)
 
     def _wait_done(self, wait_s: float) -> bool:
@@ -264,14 +363,18 @@ class NodeTask(submitit.helpers.Checkpointable):
         )
         failed = sorted(r.get("host", "?") for r in records.values() if r.get("rc") not in (0, None))
         used = requeues_of(run_dir, node.job_id, "failure")
+        hung = [s for r in records.values() for s in r.get("hang") or []]
         append_event(run_dir, "launch.failure", job_id=node.job_id, restart=node.restart_count,
                      rc=rc, failed_hosts=failed, rdzv_failed=bad, trained=trained,
-                     checkpoint=latest_checkpoint_name(run_dir))
+                     hang=bool(hung), checkpoint=latest_checkpoint_name(run_dir))
         if used >= self.policy.max_failures:
             append_event(run_dir, "launch.giveup", job_id=node.job_id, reason="failure",
                          budget=self.policy.max_failures)
+            append_event(run_dir, "launch.end", job_id=node.job_id, rc=rc, outcome="failed")
+            named = "; ".join(Stale(**s).describe() for s in hung)
             raise RuntimeError(
-                f"torchrun exited with status {rc} (failed on {', '.join(failed) or '?'}); "
+                f"torchrun exited with status {rc} (failed on {', '.join(failed) or '?'}"
+                f"{'; hang: ' + named if named else ''}); "
                 f"the failure budget (max_failures={self.policy.max_failures}) is spent"
             )
         exclude = self._excluded(run_dir, node.job_id)
@@ -285,6 +388,7 @@ class NodeTask(submitit.helpers.Checkpointable):
         append_event(run_dir, "launch.requeue", job_id=node.job_id, reason="failure",
                      restart=node.restart_count, exclude=new, n=used + 1,
                      checkpoint=latest_checkpoint_name(run_dir))
+        append_event(run_dir, "launch.end", job_id=node.job_id, rc=rc, outcome="failed")
         subprocess.run(["scontrol", "requeue", node.job_id], check=True, timeout=60)
         if new:
             # Only a pending job's exclude list can change: right after the requeue it is one.
@@ -311,22 +415,14 @@ class NodeTask(submitit.helpers.Checkpointable):
         ranks to stop at an agreed step and save, wait until they have, then let submitit
         requeue the job, unless this kind of requeue is out of budget."""
         run_dir = Path(self.run_dir)
-        if self.policy is None:  # local executor: as before
-            (run_dir / STOP).touch()
-            if self._proc is not None:
-                try:
-                    self._proc.wait(timeout=600)
-                except subprocess.TimeoutExpired:
-                    self._proc.send_signal(signal.SIGTERM)
-            (run_dir / STOP).unlink(missing_ok=True)
-            fresh = NodeTask(self.run_dir, self.data_dir, self.nproc_per_node, self.nnodes)
-            return submitit.helpers.DelayedSubmission(fresh)
+        policy = self.opts
         t0 = time.time()
         (run_dir / STOP).touch()  # every rank on every node reads it at its next step
-        job_id = os.environ.get("SLURM_JOB_ID", "?")
-        left = time_left_s(job_id)
-        cause = "timeout" if left is not None and left <= (
-            self.policy.signal_delay_s + TIMEOUT_SLACK_S) else "preemption"
+        job_id = _job_id()
+        # Locally the signal is submitit's time-limit warning (or a user's USR2 to the task).
+        left = time_left_s(job_id) if "SLURM_JOB_ID" in os.environ else None
+        cause = "timeout" if left is None or left <= (
+            policy.signal_delay_s + TIMEOUT_SLACK_S) else "preemption"
         append_event(run_dir, "launch.signal", job_id=job_id, cause=cause, time_left_s=left,
                      restart=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
         rc = None
@@ -336,7 +432,7 @@ class NodeTask(submitit.helpers.Checkpointable):
             # barrier of the save), not until torchrun has exited: its shutdown after a rank's
             # non-zero exit takes seconds that the requeue does not need. A save that overruns
             # the lead time (less a few seconds to requeue) is cut short.
-            deadline = time.monotonic() + max(self.policy.signal_delay_s - 5, 10)
+            deadline = time.monotonic() + max(policy.signal_delay_s - 5, 10)
             while stopped is None and time.monotonic() < deadline:
                 stopped = self._fresh_stopped(t0)
                 rc = self._proc.poll()
@@ -356,6 +452,14 @@ class NodeTask(submitit.helpers.Checkpointable):
                 time.sleep(0.1)
             if stopped is None and rc is None:
                 self._proc.send_signal(signal.SIGTERM)
+            if "SLURM_JOB_ID" not in os.environ:
+                # Locally nobody else ends the ranks: the next attempt must not find rank 0
+                # still holding the run's lock.
+                end = time.monotonic() + 60
+                while (rc := self._proc.poll()) is None and time.monotonic() < end:
+                    time.sleep(0.2)
+                if rc is None:
+                    kill_tree(self._proc.pid)
         append_event(run_dir, "launch.saved", job_id=job_id, save_s=round(time.time() - t0, 3),
                      rc=rc, stopped_at=(stopped or {}).get("step"),
                      checkpoint=latest_checkpoint_name(run_dir))
@@ -365,16 +469,19 @@ class NodeTask(submitit.helpers.Checkpointable):
             # requeueing a finished run (no result is written for the head task; the job's
             # state, COMPLETED, and train.done are what the launcher reads).
             append_event(run_dir, "launch.finished_at_signal", job_id=job_id)
+            append_event(run_dir, "launch.end", job_id=job_id, rc=0, outcome="done")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        budget = self.policy.max_requeues if cause == "timeout" else self.policy.max_preemptions
+        budget = policy.max_requeues if cause == "timeout" else policy.max_preemptions
         used = requeues_of(run_dir, job_id, cause)
         if used >= budget:
             append_event(run_dir, "launch.giveup", job_id=job_id, reason=cause, budget=budget)
+            append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="stopped")
             return None  # submitit ends the job ("checkpoint function returned None")
         append_event(run_dir, "launch.requeue", job_id=job_id, reason=cause, n=used + 1,
                      checkpoint=latest_checkpoint_name(run_dir))
+        append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="requeue")
         fresh = NodeTask(self.run_dir, self.data_dir, self.nproc_per_node, self.nnodes,
                          self.policy)
         return submitit.helpers.DelayedSubmission(fresh)

@@ -10,6 +10,7 @@ a trainer left over from a killed launch is waited for through the run's lock.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import shlex
 import signal
@@ -22,8 +23,6 @@ from typing import Any
 import submitit
 
 from pipeline.artifacts import (
-    CHECKPOINTS,
-    CKPT_MANIFEST,
     LOCK,
     RUN_CONFIG,
     STOP,
@@ -31,17 +30,17 @@ from pipeline.artifacts import (
     SUBMITIT,
     TRAIN_DONE,
     append_event,
-    checkpoint_steps,
     latest_checkpoint_name,
     read_events,
     read_job,
-    read_json_or_none,
     read_train_done,
     write_job,
 )
 from pipeline.config_files import load_run_config
 from pipeline.distenv import JobState, scontrol_job, squeue_states
 from pipeline.errors import PipelineError
+from pipeline.goodput import measured_save_seconds as measured_save_seconds  # re-exported
+from pipeline.goodput import save_time_warning
 from pipeline.launchopts import LaunchOptions
 from pipeline.sbatch import SUBMISSION_FILE, Submission, render_submission
 from pipeline.train.node import NodeTask
@@ -71,35 +70,44 @@ class ArgvSlurmExecutor(submitit.SlurmExecutor):
         return self.submission.command(submission_file_path)
 
 
-def measured_save_seconds(run_dir: Path) -> float | None:
-    """The longest checkpoint save seen for this run, from the ranks' ``save`` events and from
-    the checkpoint folders themselves (first file written → manifest time). None when nothing
-    was saved yet."""
-    # (launch.saved's save_s also counts the wait for the current step and for start-up when
-    # the signal came early: it is reported, not used here.)
-    found = [float(e["seconds"]) for e in read_events(run_dir, "save")
-             if e.get("seconds") is not None]  # the ranks' own timing
-    for _, ck in checkpoint_steps(run_dir / CHECKPOINTS):
-        manifest = read_json_or_none(ck / CKPT_MANIFEST)
-        try:
-            end = float(manifest["time"])
-            first = min(f.stat().st_mtime for f in ck.rglob("*") if f.is_file())
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        found.append(max(0.0, end - first))
-    return max(found) if found else None
+def launch_warnings(run_dir: Path, opts: LaunchOptions) -> list[str]:
+    """What the launcher warns about before it submits: a signal lead time shorter than this
+    run's measured saves need, a hang timeout that is not well under the time limit."""
+    out = [w for w in (save_time_warning(run_dir, opts.signal_delay_s),) if w]
+    limit_s = opts.time_min * 60
+    longest = max(opts.hang_timeout_s, opts.hang_startup_s, opts.hang_save_s)
+    if opts.hang_timeout_s > 0 and longest >= limit_s / 2:
+        out.append(f"the hang watchdog's allowance ({longest} s: hang_timeout_s, "
+                   f"hang_startup_s, hang_save_s) is not well under the time limit "
+                   f"({limit_s} s): a hung rank may hold the job until the limit; lower them")
+    return out
 
 
-def save_time_warning(run_dir: Path, signal_delay_s: int) -> str | None:
-    """A warning when the lead time of the time-limit signal is shorter than a measured save."""
-    save_s = measured_save_seconds(run_dir)
-    if save_s is None or signal_delay_s >= save_s:
-        return None
-    return (
-        f"signal_delay_s={signal_delay_s} is shorter than the measured checkpoint time "
-        f"({save_s:.1f} s): the time-limit warning may come too late to save; raise "
-        "signal_delay_s in the profile"
-    )
+class Incidents:
+    """The launcher's log of what went wrong inside the job (hangs, failures, requeues), from
+    events.jsonl as they appear: the job's own logs are on the compute nodes."""
+
+    KINDS = ("launch.hang", "launch.failure", "launch.requeue", "launch.giveup")
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.seen = len(read_events(run_dir))
+
+    def log(self) -> None:
+        events = read_events(self.run_dir)
+        for e in events[self.seen:]:
+            if e.get("event") == "launch.hang":
+                for r in e.get("ranks", []):
+                    log.error("hang: rank %s on %s (pid %s)%s made no progress for %.0f s "
+                              "(phase %s, step %s, process %s); the ranks were killed and the "
+                              "job retries from %s", r.get("rank"), r.get("host"), r.get("pid"),
+                              "" if r.get("suspect", True) else " (waiting for the others)",
+                              r.get("stale_s", 0), r.get("phase"), r.get("step"),
+                              r.get("state"), e.get("checkpoint") or "the start")
+            elif e.get("event") in self.KINDS:
+                log.warning("job %s: %s", e.get("job_id"), json.dumps(
+                    {k: v for k, v in e.items() if k not in ("time", "job_id")}))
+        self.seen = len(events)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,8 +137,8 @@ def submit_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
     # budgets decide, submitit's count is only a backstop above them.
     executor = ArgvSlurmExecutor(folder, submission,
                                  max_num_timeout=opts.max_requeues + opts.max_preemptions + 1)
-    warning = save_time_warning(run_dir, opts.signal_delay_s)
-    if warning:
+    warnings = launch_warnings(run_dir, opts)
+    for warning in warnings:
         log.warning("%s", warning)
     # The options travel with the task (budgets, exclude list, job env): sbatch exports the
     # submitting environment, the job env goes to the ranks through them, so that it is
@@ -151,7 +159,7 @@ def submit_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
         "sbatch_argv": submission.command(SUBMISSION_FILE),
         "submitit_parameters": submission.params,
         "policy": asdict(opts),
-        "warnings": [warning] if warning else [],
+        "warnings": warnings,
         "history": history,
     }
     write_job(run_dir, rec)
@@ -219,7 +227,9 @@ def wait_slurm(run_dir: Path, rec: dict[str, Any], opts: LaunchOptions) -> dict[
                     + policy.get("max_failures", 0) + 1)
     last: tuple[str, str] | None = None
     missing = 0
+    news = Incidents(run_dir)
     while True:
+        news.log()
         states = squeue_states([job_id])
         if states is None:  # squeue failed: slurmctld busy; try again
             time.sleep(opts.poll_s)
@@ -291,17 +301,25 @@ def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
         return read_train_done(run_dir)
     (run_dir / STOP).unlink(missing_ok=True)
     folder = run_dir / SUBMITIT
-    task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes)
+    # The options travel with the task: the failure budget and the watchdog's limits.
+    task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes,
+                    opts)
     if run.cluster.nodes != 1:
         raise PipelineError(
             f"cluster.nodes is {run.cluster.nodes}, but the local launcher runs one node; "
             "use --profile profiles/slurm or set cluster.nodes: 1"
         )
-    executor = submitit.LocalExecutor(folder=folder)
-    executor.update_parameters(timeout_min=opts.time_min, tasks_per_node=1, nodes=1)
+    executor = submitit.LocalExecutor(folder=folder,
+                                      max_num_timeout=opts.max_requeues + opts.max_preemptions)
+    executor.update_parameters(timeout_min=opts.time_min, tasks_per_node=1, nodes=1,
+                               signal_delay_s=opts.signal_delay_s)
+    for warning in launch_warnings(run_dir, opts):
+        log.warning("%s", warning)
     job = executor.submit(task)
     write_job(run_dir, {"job_id": str(job.job_id), "launcher": "local",
-                        "submitted": time.time(), "folder": str(folder)})
+                        "submitted": time.time(), "folder": str(folder), "policy": asdict(opts)})
+    append_event(run_dir, "launch.submit", job_id=str(job.job_id), launcher="local",
+                 nodes=1, time_min=opts.time_min, signal_delay_s=opts.signal_delay_s)
     log.info("submitted training job %s (local)", job.job_id)
 
     def _cancel(signum: int, frame: Any) -> None:
@@ -312,9 +330,16 @@ def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
 
     signal.signal(signal.SIGTERM, _cancel)
     signal.signal(signal.SIGINT, _cancel)
+    news = Incidents(run_dir)
+    while not job.done():
+        news.log()
+        time.sleep(1)
+    news.log()
     try:
         result = job.result()
     except Exception as err:  # submitit wraps the task's exception with its traceback
+        if (run_dir / TRAIN_DONE).exists():  # the time-limit warning came at the last step
+            return read_train_done(run_dir)
         raise PipelineError(f"training job {job.job_id} failed:\n{err}") from None
     if not (run_dir / TRAIN_DONE).exists():
         raise PipelineError(f"training job {job.job_id} ended without train.done: {result}")
