@@ -34,11 +34,10 @@ import torch
 from pipeline import artifacts as af
 from pipeline import checkpoint as ck
 from pipeline import fastio
+from pipeline.checkpoint_ds import load_deepspeed_model_state, open_source  # noqa: F401
 from pipeline.checkpoint_tensors import (  # noqa: F401  (GROUP_BYTES: tests and benchmarks)
     GROUP_BYTES,
     load_dcp_model_state,
-    load_deepspeed_model_state,
-    open_source,
 )
 from pipeline.config_files import load_run_config
 from pipeline.errors import PipelineError

@@ -193,33 +193,68 @@ class FSDPEngine:
 
 
 class DeepSpeedEngine:
-    """The DeepSpeed engine with the rendered ``ds_config.json`` (ZeRO stage, offload, bf16)."""
+    """The DeepSpeed engine with the rendered ``ds_config.json`` (ZeRO stage, offload, bf16).
+
+    ``train.tp > 1``: AutoTP (the config's ``tensor_parallel.autotp_size``) shards the decoder
+    layers' linears inside ``deepspeed.initialize``; the ranks of one TP group read the same
+    batch. ``train.pp > 1``: the model becomes a ``PipelineModule`` (``pipeline.train.ds_pipe``)
+    and a step is one ``train_batch`` over the step's micro batches.
+
+    Rank layout: DeepSpeed builds its own groups, and they agree with
+    ``pipeline.train.parallel.dp_coords`` (TP fastest, then DP, then PP): AutoTP's device mesh
+    is ``(data_parallel, tensor_parallel)`` (rank = dp × tp + tp_rank) and the pipeline's
+    ``PipeDataParallelTopology`` has axes ``(pipe, data)`` (rank = stage × dp + dp_rank)."""
 
     def __init__(self, model: Any, run: RunConfig, ds_config: dict[str, Any]) -> None:
         import deepspeed
 
-        if run.train.activation_checkpointing:
+        t = run.train
+        self.pp = t.pp
+        self.vocab_size = model.config.vocab_size
+        if t.pp > 1:
+            from pipeline.train.ds_pipe import pipeline_module
+
+            module = pipeline_module(model, t.pp,
+                                     activation_checkpointing=t.activation_checkpointing)
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=module, model_parameters=[p for p in module.parameters()
+                                                if p.requires_grad], config=ds_config)
+            return
+        if t.activation_checkpointing:
             _enable_activation_checkpointing(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
-        total = 0.0
         lr = self.engine.get_lr()[0]
-        for ids in micro_batches:
-            ids = ids.to(self.engine.device)
-            loss = self.engine(input_ids=ids, labels=ids).loss
-            # DeepSpeed scales by 1/grad_accum and steps the optimizer at the boundary itself.
-            self.engine.backward(loss)
-            self.engine.step()
-            total += loss.detach().float().item()
+        if self.pp > 1:
+            loss = self._pipeline_step(micro_batches)
+        else:
+            total = 0.0
+            for ids in micro_batches:
+                ids = ids.to(self.engine.device)
+                step_loss = self.engine(input_ids=ids, labels=ids).loss
+                # DeepSpeed scales by 1/grad_accum and steps the optimizer at the boundary.
+                self.engine.backward(step_loss)
+                self.engine.step()
+                total += step_loss.detach().float().item()
+            loss = total / len(micro_batches)
         norm = self.engine.get_global_grad_norm()
         return StepResult(
-            loss=total / len(micro_batches),
+            loss=loss,
             grad_norm=float(norm) if norm is not None else float("nan"),
             lr=lr,
         )
+
+    def _pipeline_step(self, micro_batches: list[torch.Tensor]) -> float:
+        # The first stage reads the inputs, the last the labels (the loss function shifts
+        # them); every stage is handed the same list, as each rank's loader read it.
+        data = [(ids.to(self.engine.device), ids.to(self.engine.device)) for ids in micro_batches]
+        self.engine.train_batch(data_iter=iter(data))
+        # This pipeline's mean over its micro batches (the last stage's, broadcast to the
+        # other stages); the trainer averages it over the data-parallel pipelines.
+        return float(self.engine.dp_group_loss)
 
     def save(self, ckpt: Path) -> dict[str, Any]:
         from pipeline import fastio
@@ -258,6 +293,12 @@ class DeepSpeedEngine:
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The full model's logits (collective). With a pipeline the last stage has them;
+        rank 0 (first stage) receives those of data-parallel replica 0 by a broadcast."""
+        if self.pp > 1:
+            from pipeline.train.ds_pipe import pipeline_logits
+
+            return pipeline_logits(self.engine, input_ids, self.vocab_size)
         self.engine.eval()
         try:
             return self.engine(input_ids=input_ids.to(self.engine.device)).logits.float()
