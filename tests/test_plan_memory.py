@@ -193,3 +193,22 @@ def test_offload_moves_states_to_host() -> None:
     off = _states(shape, 1, 8, zero_stage=2, offload_optimizer=True)
     assert off.optimizer == 0 and off.grads == 0 and base.optimizer > 0
     assert off.host_offload_per_node > 0 and base.host_offload_per_node == 0
+
+
+def test_zero_table_1_in_the_plans_json_and_plan_md() -> None:
+    # ZeRO (arXiv:1910.02054) Table 1 row Ψ = 7.5 B, N_d = 64, K = 12, as --json and plan.md
+    # report it: model states per GPU as one figure beside params, grads and optimizer states.
+    from pipeline.plan import Cluster, plan, render_plan_md
+
+    shape = ModelShape.synthetic(7_500_000_000)
+    cluster = Cluster(nodes=8, gpus_per_node=8, host_mem_gb=4096)
+    table = {0: "120.00", 1: "31.41", 2: "16.64", 3: "1.88"}  # GB (paper: 120, 31.4, 16.6, 1.9)
+    for stage, figure in table.items():
+        s = Strategy(engine="deepspeed", zero_stage=stage, offload_optimizer=False,
+                     offload_params=False, tp=1, pp=1)
+        p = plan(model=shape, cluster=cluster, batch=BatchSpec(seq_len=1024), strategy=s,
+                 accounting="paper")
+        b = p.as_dict()["per_gpu_bytes"]
+        assert b["model_states"] == b["params"] + b["grads"] + b["optimizer"]
+        assert f"{b['model_states'] / GB:.2f}" == figure
+        assert f"| {figure} |" in render_plan_md(p).split("## Rejected")[0]

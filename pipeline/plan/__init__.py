@@ -18,7 +18,7 @@ from pipeline.plan.preflight import check, preflight, validate_ds_config
 from pipeline.plan.report import render_plan_md
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, Rung, plan
-from pipeline.plan.topology import ParallelDims, render_topology
+from pipeline.plan.topology import ParallelDims, params_per_rank, render_topology, stage_layers
 from pipeline.presets import PRESETS, ModelShape, resolve_model
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Strategy",
     "check",
     "estimate_memory",
+    "params_per_rank",
     "plan",
     "preflight",
     "render_ds_config",
@@ -44,5 +45,6 @@ __all__ = [
     "render_plan_md",
     "render_topology",
     "resolve_model",
+    "stage_layers",
     "validate_ds_config",
 ]

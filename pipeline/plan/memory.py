@@ -146,8 +146,9 @@ def local_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
 def decoder_unit_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
     """Parameters of the largest FSDP wrap unit on one GPU: a decoder layer (its TP slice), or
     the embedding or final norm + lm_head (whole on every TP rank: TP splits decoder layers
-    only). The root unit holds embedding and lm_head together without a pipeline; counting the
-    larger of the two keeps the figure the planner has always used for ``tp == 1``."""
+    only). Without a pipeline the root unit holds embedding and lm_head together; the larger
+    of the two is counted, as the planner always has (a known underestimate of the root's
+    gathered copy, kept so that choices do not shift outside the TP/PP change)."""
     model = _untied_for_pipeline(model, pp)
     h = model.hidden_size
     root = max(model.embedding_params(), h + model.lm_head_params())
