@@ -94,6 +94,15 @@ def _job_id() -> str:
         return "local"
 
 
+def _retryable(run_dir: Path, since: float) -> bool:
+    """Whether a local attempt that began at ``since`` is worth retrying: training had started
+    (a crash before is a config or data error that a retry would repeat) and no step's loss
+    was non-finite (deterministic too)."""
+    new = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
+    return (any(e.get("event") == "start" for e in new)
+            and not any(e.get("event") == "nan" for e in new))
+
+
 def _ignore_usr2() -> None:
     # torchrun has no handler for USR2 and would die of it: Slurm signals every process of the
     # step, not only the task. Ignored stays ignored across exec, so torchrun survives; the
@@ -175,6 +184,13 @@ class NodeTask(submitit.helpers.Checkpointable):
                 return {"stopped": stopped}
             why = self._failure_text(rc, host)
             used = requeues_of(run_dir, job_id, "failure")
+            if not self._hung and not _retryable(run_dir, started):
+                append_event(run_dir, "launch.failure", job_id=job_id, rc=rc,
+                             failed_hosts=[host], hang=False, retry=False,
+                             checkpoint=latest_checkpoint_name(run_dir))
+                append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="failed")
+                raise RuntimeError(f"{why} (not retried: it failed before training started, "
+                                   "or on a non-finite loss, which a retry would repeat)")
             append_event(run_dir, "launch.failure", job_id=job_id, rc=rc, failed_hosts=[host],
                          hang=bool(self._hung), checkpoint=latest_checkpoint_name(run_dir))
             if used >= self.opts.max_failures:
@@ -209,12 +225,11 @@ class NodeTask(submitit.helpers.Checkpointable):
                              save_s=o.hang_save_s))
         next_check = 0.0
         while (rc := self._proc.poll()) is None:
-            if time.monotonic() >= next_check:
+            if time.monotonic() >= next_check and not self._hung:
                 next_check = time.monotonic() + 1.0
                 stale = watch.poll()
                 if stale:
-                    self._on_hang(stale)
-                    return self._proc.wait()
+                    self._on_hang(stale)  # kills the tree: torchrun's status follows at once
             time.sleep(0.2)
         return rc
 
