@@ -39,9 +39,9 @@ RUNS = {
     "tp": TP,
     "tpdp": {"cluster": {"gpus_per_node": 4}, "train": {"tp": 2}},
     "tpstop": TP,
-    "relayout": TP,
+    "relayout": {"cluster": {"gpus_per_node": 4}, "train": {"tp": 2}},
 }
-NPROC = {"dp": 2, "tp": 2, "tpdp": 4, "tpstop": 2, "relayout": 2}
+NPROC = {"dp": 2, "tp": 2, "tpdp": 4, "tpstop": 2, "relayout": 4}
 #: Stopped after a few steps, then resumed: on the same layout, or re-rendered as pure DP.
 STOPPED = ("tpstop", "relayout")
 
@@ -89,10 +89,12 @@ def runs(data_dir) -> dict[str, Path]:  # noqa: F811
         if (proc.returncode != 0) != (name in STOPPED):
             errors[name] = (proc.returncode, err[-3000:])
     assert not errors, errors
-    # "relayout" continues as pure data parallelism (tp 1, dp 2) with the same global batch:
-    # the layout is not part of the checkpoint's config hash, and DCP reshards DTensor state.
+    # "relayout" (tp 2 × dp 2) continues as pure data parallelism (dp 4, micro 2 × 2) with the
+    # same global batch: the layout is not part of the checkpoint's config hash, and DCP
+    # reshards DTensor state.
     (work / "tp-config-dp.yaml").write_text(yaml.safe_dump(
-        {**cfg, "runs": {"relayout": {}}}))
+        {**cfg, "runs": {"relayout": {"cluster": {"gpus_per_node": 4},
+                                      "train": {"micro_batch_size": 2}}}}))
     run_cli("pipeline.render", "--config", str(work / "tp-config-dp.yaml"), "--run", "relayout",
             "--out", str(dirs["relayout"]), "--data-manifest", str(data_dir / "manifest.json"))
     for name in STOPPED:
@@ -137,7 +139,7 @@ def test_stopped_tp_run_resumes_with_the_uninterrupted_losses(runs):
 
 @pytest.mark.slow
 def test_tp_checkpoint_resumes_as_pure_data_parallel(runs):
-    """tp 2 → dp 2: the resumed steps continue the run (no fresh start) with the losses of an
+    """tp 2 × dp 2 → dp 4: the resumed steps continue the run (no fresh start) with the losses of an
     uninterrupted run of either layout (they agree within 1e-3)."""
     got = metrics(runs["relayout"])
     assert list(got) == list(range(1, STEPS + 1))
@@ -163,19 +165,34 @@ def test_tp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):  # noq
 # -- config and pre-flight (no processes) --------------------------------------------------------
 
 
-def test_tp_is_fsdp_only_and_counts_in_the_data_parallel_degree():
+def test_each_engine_accepts_the_layouts_it_runs_and_names_the_one_that_runs_the_rest():
     from pydantic import ValidationError
 
     from pipeline.config import TrainConfig
     from pipeline.config_files import parse_run_config
     from pipeline.errors import PipelineError
 
-    assert TrainConfig(backend="fsdp", tp=2).tp == 2
-    for backend in ("deepspeed", "ddp"):
-        with pytest.raises(ValidationError, match="backend: fsdp"):
-            TrainConfig(backend=backend, tp=2)
-    with pytest.raises(ValidationError, match=r"train\.pp"):
-        TrainConfig(backend="fsdp", pp=2)
+    assert TrainConfig(backend="fsdp", tp=2, pp=2, grad_accum=2).pp == 2
+    assert TrainConfig(backend="deepspeed", tp=2, zero_stage=2).tp == 2
+    assert TrainConfig(backend="deepspeed", pp=2, zero_stage=1).pp == 2
+    with pytest.raises(ValidationError, match="backend: fsdp"):
+        TrainConfig(backend="ddp", tp=2)
+    with pytest.raises(ValidationError, match=r"cannot combine AutoTP.*backend: fsdp"):
+        TrainConfig(backend="deepspeed", tp=2, pp=2)
+    with pytest.raises(ValidationError, match=r"train\.zero_stage <= 1"):
+        TrainConfig(backend="deepspeed", pp=2, zero_stage=2)
+    with pytest.raises(ValidationError, match=r"train\.zero_stage <= 2"):
+        TrainConfig(backend="deepspeed", tp=2, zero_stage=3)
+    with pytest.raises(ValidationError, match=r"train\.grad_accum \(1\) < train\.pp \(2\)"):
+        TrainConfig(backend="fsdp", pp=2, grad_accum=1)
+    assert TrainConfig(backend="fsdp", pp=2, grad_accum=1, pp_schedule="gpipe").pp == 2
+    with pytest.raises(PipelineError, match="tie_word_embeddings"):
+        parse_run_config({**BASE, "name": "r", "model": {**BASE["model"],
+                                                         "tie_word_embeddings": True},
+                          "train": {**BASE["train"], "pp": 2}})
+    with pytest.raises(PipelineError, match=r"exceeds model\.num_layers"):
+        parse_run_config({**BASE, "name": "r", "cluster": {"gpus_per_node": 4},
+                          "train": {**BASE["train"], "pp": 4, "grad_accum": 4}})
     run = parse_run_config({**BASE, "name": "r", "cluster": {"gpus_per_node": 4},
                             "train": {**BASE["train"], "tp": 2}})
     assert run.dp_size == 2 and run.global_batch_size == 4 * 2 * 2
