@@ -43,6 +43,19 @@ def test_stage_layers_is_contiguous_and_front_loaded() -> None:
             assert max(map(len, split)) - min(map(len, split)) <= 1
 
 
+def test_deepspeed_pipeline_partition_follows_the_same_rule() -> None:
+    # PipelineModule(partition_method="type:...") weighs the decoder layers 1 and the embedding
+    # and head modules 0, then calls partition_balanced: the same blocks as stage_layers.
+    from deepspeed.runtime.utils import partition_balanced
+
+    for layers in range(1, 25):
+        for pp in range(1, layers + 1):
+            bounds = partition_balanced([0] + [1] * layers + [0], pp)
+            theirs = [range(max(0, bounds[s] - 1), min(layers, bounds[s + 1] - 1))
+                      for s in range(pp)]
+            assert theirs == stage_layers(layers, pp), (layers, pp)
+
+
 def test_stage_layers_refuses_empty_stages() -> None:
     with pytest.raises(PipelineError, match=r"train\.pp: PP=3 exceeds the model's 2 layers"):
         stage_layers(2, 3)
