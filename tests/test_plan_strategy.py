@@ -163,3 +163,19 @@ def test_cli_as_module_exit_status() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "train.micro_batch_size" in proc.stderr
+
+
+def test_cli_leaves_checkpointing_to_the_planner_unless_told(capsys) -> None:
+    # llama2-70b on 4 × 8 GPUs of 80 GB, seq 4096: ZeRO-3 fits only with checkpointing, and the
+    # planner takes that before any TP/PP rung (never DeepSpeed's impossible TP × PP).
+    job = ["--model", "llama2-70b", "--nodes", "4", "--grad-accum", "16", "--json", *GPU_JOB]
+    assert main(job) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["strategy"] == "ZeRO-3 + activation checkpointing"
+    assert out["activation_checkpointing"] is True and out["unsupported"] is None
+    assert (out["topology"]["tp"], out["topology"]["pp"]) == (1, 1)
+    main([*job, "--no-activation-checkpointing"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["activation_checkpointing"] is False
+    assert all(not r["activation_checkpointing"] for r in out["rejected"])
+    assert main([*job, "--activation-checkpointing", "--no-activation-checkpointing"]) == 2

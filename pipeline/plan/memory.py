@@ -31,7 +31,7 @@ Transformer Models" (arXiv:2205.05198), §4: per layer, 16-bit, ``sbh(34 + 5as/h
 without parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallelism ``t`` and
 ``sbh/t (34 + 5as/h)`` with sequence parallelism; full recomputation keeps ``2sbh`` per layer;
 with 1F1B pipelining the first stage holds ``p`` micro batches of its ``L/p`` layers (§4.2.3),
-i.e. as much as the whole unpipelined model. :func:`layer_activation_bytes` derives those
+i.e. as much as the whole unpipelined model (GPipe: every micro batch of the step). :func:`layer_activation_bytes` derives those
 coefficients term by term so that Llama's SwiGLU MLP, GQA, no dropout and fused (SDPA/flash)
 attention can be plugged in; with GPT's settings it returns exactly the paper's expression.
 """
