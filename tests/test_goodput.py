@@ -95,3 +95,12 @@ def test_lead_time_warning_from_measured_save_and_step(run_dir: Path) -> None:
     header, row = res.stdout.splitlines()
     assert header.split()[-1] == "goodput" and row.split()[-1] == "7%"
     assert "warning: r: signal_delay_s=5 is shorter" in res.stderr
+
+
+def test_the_eval_report_has_the_goodput_section(run_dir: Path) -> None:
+    from pipeline.evaluate import _report
+
+    m = {"perplexity": 9.0, "loss": 2.2, "tokens": 10, "vocab_size": 300,
+         "final_train_loss": None, "step": 4, "lm_eval": {}, "samples": []}
+    text = _report("r", m, METRICS, goodput(run_dir))
+    assert "## Goodput" in text and "| 2 | done | 3–4 |" in text
