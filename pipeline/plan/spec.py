@@ -238,6 +238,10 @@ class Strategy:
         """
         tp, pp = self.tp or 1, self.pp or 1
         offload = bool(self.offload_optimizer or self.offload_params)
+        if self.engine == "ddp" and offload:
+            return (f"{KEYS['offload_optimizer']}/{KEYS['offload_params']}: train.backend=ddp "
+                    f"keeps every state on the GPU; drop the offload, or use "
+                    f"train.backend=deepspeed (ZeRO-Offload)")
         if self.engine == "ddp" and (tp > 1 or pp > 1):
             return (f"{KEYS['tp']}/{KEYS['pp']}: train.backend=ddp is data parallel only "
                     f"(tp = pp = 1); use train.backend=fsdp for tensor or pipeline parallelism")
