@@ -123,7 +123,7 @@ class LaunchOptions:
     """The watchdog's allowance from torchrun's start to the end of the first step (process
     group, checkpoint load, the first step's warm-up)."""
     hang_save_s: int = _opt(900, resource="hang_save_s")
-    """The watchdog's allowance for a checkpoint save and the step after it."""
+    """The watchdog's allowance for a checkpoint save."""
     job_name: str = _opt("zerosnake")
     """Job name as Slurm shows it (the train rule passes ``zs-<run>``)."""
     poll_s: float = _opt(5.0, resource="poll_s")

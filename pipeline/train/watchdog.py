@@ -4,7 +4,7 @@ A rank that stops making progress (frozen by SIGSTOP, stuck in a collective, spi
 end its process, so torchrun would wait for it until the job's time limit. Instead every rank
 touches a heartbeat file, ``<run_dir>/heartbeat/rank-NNNNN`` (:func:`pipeline.artifacts.
 heartbeat_path`), holding its step, phase, host and pid: at start-up, after every step (at most
-once a second unless the phase changes) and before a checkpoint save. The node task that runs
+once a second unless the phase changes), before and after a checkpoint save. The node task that runs
 torchrun watches the heartbeats of *its own* ranks (torchrun's children, whose ``RANK`` it reads
 from ``/proc``) with its own monotonic clock, so clock skew between nodes and stale files of
 earlier attempts do not matter. A rank whose heartbeat has not changed for longer than its
@@ -17,7 +17,7 @@ Phases and their allowances (:class:`Limits`, from the launch options):
 * ``start``: from torchrun's start through process-group set-up, checkpoint load and the first
   step (``hang_startup_s``);
 * ``train``: between two steps (``hang_timeout_s``);
-* ``save``: a checkpoint save and what follows it up to the next step (``hang_save_s``).
+* ``save``: a checkpoint save (``hang_save_s``); after it, ``train`` again.
 """
 
 from __future__ import annotations
