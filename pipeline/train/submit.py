@@ -350,6 +350,10 @@ def launch(run_dir: Path, data_dir: Path, opts: LaunchOptions) -> dict[str, Any]
     """Submit the run's training job and wait for it; returns ``train.done``'s content."""
     run_dir = run_dir.resolve()
     data_dir = data_dir.resolve()
+    for name in ("hang_timeout_s", "hang_startup_s", "hang_save_s"):
+        if getattr(opts, name) < 0:
+            raise PipelineError(f"--{name.replace('_', '-')} is {getattr(opts, name)}: give "
+                                "seconds >= 0 (0 turns the hang watchdog off)")
     run = load_run_config(run_dir / RUN_CONFIG)
     if opts.launcher == "slurm":
         return launch_slurm(run_dir, data_dir, run, opts)
