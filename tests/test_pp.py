@@ -140,13 +140,35 @@ def test_pipeline_checkpoint_consolidates_to_the_engine_logits(runs, data_dir, n
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "onef1b", "tppp", "tpppdp"])
-def test_each_rank_holds_its_stage_and_tp_share_of_the_parameters(runs, name):
+def test_each_rank_holds_the_parameters_the_planner_counts(runs, name):
+    """The planner's per-rank count (stage × TP share, before DP sharding) equals what the real
+    engine's ranks hold: the local shards of one (stage, TP rank) summed over its DP ranks."""
+    from pipeline.config_files import load_run_config
+    from pipeline.plan.topology import params_per_rank
+    from pipeline.render import planner_inputs
+
     events = map(json.loads, (runs[name] / "events.jsonl").read_text().splitlines())
     start = next(e for e in events if e["event"] == "start")
     tp, pp = LAYOUT[name]
     assert (start["tp"], start["pp"]) == (tp, pp)
-    shards = start["param_shards"]
-    assert len(shards) == NPROC[name]
-    whole = json.loads((runs[name] / "train.done").read_text())["params"]
-    if tp == 1:  # nothing replicated: the shards add up to the model
-        assert sum(shards) == whole
+    shards, dp = start["param_shards"], start["dp"]
+    assert len(shards) == NPROC[name] == tp * pp * dp
+    run = load_run_config(runs[name] / "config.json")
+    done = json.loads((runs[name] / "train.done").read_text())
+    model = planner_inputs(run, vocab_size=vocab_size(runs[name]))["model"]
+    want = params_per_rank(model, tp=tp, pp=pp)
+    got: dict[tuple[int, int], int] = {}
+    for rank, n in enumerate(shards):
+        key = (rank // (dp * tp), rank % tp)
+        got[key] = got.get(key, 0) + n
+    assert got == want
+    if tp == 1:  # nothing replicated: the stages add up to the whole model
+        assert sum(shards) == done["params"]
+
+
+def vocab_size(run_dir: Path) -> int:
+    """The model's vocabulary: the width of the probe's logits."""
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "probe_logits.safetensors"), "pt") as f:
+        return f.get_slice("logits").get_shape()[-1]

@@ -33,6 +33,7 @@ from torch import nn
 
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
+from pipeline.plan.topology import stage_layers
 from pipeline.train.engines import (
     FSDPEngine,
     StepResult,
@@ -71,17 +72,6 @@ class StageModule(nn.Module):
         # HF returns a view (hidden_states[:, slice]); a view cannot be detached in place by the
         # schedule's backward, and FSDP2 warns about it.
         return out.clone()
-
-
-def stage_layers(num_layers: int, n_stages: int) -> list[range]:
-    # TEMPORARY until the planner's rule lands (contiguous blocks, the first stages one more).
-    base, extra = divmod(num_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
