@@ -465,7 +465,8 @@ def plan(*, model: ModelShape, cluster: Cluster, batch: BatchSpec,
         # The first rung that would fit without the user's constraints.
         for cand, ac in with_checkpointing(ladder(model, cluster, request.engine),
                                            None if checkpointing is not True else True):
-            if (cand, ac) == (chosen.strategy, chosen.activation_checkpointing):
+            if (replace(cand, pp_schedule=schedule), ac) == (chosen.strategy,
+                                                             chosen.activation_checkpointing):
                 continue
             r = rung(cand, ac)
             if r.fits:
