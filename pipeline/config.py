@@ -246,8 +246,10 @@ class TrainConfig(_Strict):
     parameters gathered between forward and backward), HYBRID_SHARD (shard within a node,
     replicate across nodes), NO_SHARD (replicate: DDP-like)."""
     strategy: StrategyMode = "manual"
-    """``auto``: the planner picks ZeRO stage / FSDP sharding and offload, the least
-    communication that fits in memory (the choice is written to the rendered config.json)."""
+    """``auto``: the planner picks ZeRO stage / FSDP sharding, offload and activation
+    checkpointing, the least communication that fits in memory (the choice is written to the
+    rendered config.json). ``tp`` and ``pp`` stay as set: they change the data-parallel degree
+    and so the global batch (``python -m pipeline.plan`` proposes them)."""
     offload_optimizer: bool = False
     """Keep optimizer states on the host (DeepSpeed ZeRO-Offload)."""
     offload_params: bool = False

@@ -71,7 +71,10 @@ def planner_inputs(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
         grad_accum=t.grad_accum,
         global_batch_size=t.global_batch_size,
         precision=t.precision,
-        activation_checkpointing=t.activation_checkpointing,
+        # auto may turn recomputation on (the planner's "time for memory" rung, tried before
+        # offload); a run that sets it keeps it.
+        activation_checkpointing=(None if t.strategy == "auto" and not t.activation_checkpointing
+                                  else t.activation_checkpointing),
     )
     auto = t.strategy == "auto"
     deepspeed, fsdp = t.backend == "deepspeed", t.backend == "fsdp"
@@ -83,23 +86,15 @@ def planner_inputs(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
         offload_params=None if auto else t.offload_params,
         tp=t.tp,
         pp=t.pp,
+        pp_schedule=t.pp_schedule,
     )
     return {"model": model, "cluster": cluster, "batch": batch, "strategy": strategy}
 
 
 def resolve_strategy(run: RunConfig, plan: Plan) -> RunConfig:
     """The run with the planner's choice written in (what the trainer will read)."""
-    chosen = plan.strategy
-    train: dict[str, Any] = {
-        "offload_optimizer": bool(chosen.offload_optimizer),
-        "offload_params": bool(chosen.offload_params),
-    }
-    if chosen.engine == "deepspeed":
-        train["zero_stage"] = chosen.zero_stage or 0
-    elif chosen.engine == "fsdp":
-        train["fsdp_sharding"] = chosen.fsdp_sharding
     data = run.model_dump(mode="json")
-    data["train"].update(train)
+    data["train"].update(plan.train_settings())
     return parse_run_config(data)
 
 

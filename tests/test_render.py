@@ -134,3 +134,21 @@ def test_render_cli_writes_files_and_rejects_bad_input(tmp_path):
     )
     assert bad.returncode == 2 and "unknown run 'nope'" in bad.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_auto_turns_activation_checkpointing_on_before_offload_and_writes_it():
+    """Micro batch 4 at seq 4096: no ZeRO rung fits the activations of llama2-7b without
+    recomputation; auto recomputes (time for memory) rather than offloading, and the rendered
+    config.json makes the trainer do so."""
+    run = config_with(model=LLAMA2_7B, data={"seq_len": 4096},
+                      cluster={"nodes": 4, "gpus_per_node": 8, "gpu_mem_gb": 80,
+                               "host_mem_gb": 1024},
+                      train={"backend": "deepspeed", "strategy": "auto", "precision": "bf16",
+                             "micro_batch_size": 4, "grad_accum": 2, "lr": 3e-4,
+                             "warmup_steps": 100, "max_steps": 1000})
+    files = render_run(run, vocab_size=32000)
+    train = files["config.json"]["train"]
+    assert train["activation_checkpointing"] is True
+    assert not train["offload_optimizer"] and not train["offload_params"]
+    assert (train["tp"], train["pp"]) == (1, 1)
+    assert "activation checkpointing chosen by the planner" in files["plan.md"]
