@@ -76,6 +76,8 @@ RUN_DIR_NAMES = frozenset({
 
 # --- a checkpoint folder ---------------------------------------------------------------------
 CKPT_MANIFEST = "manifest.json"  # written last: the checkpoint is complete once it exists
+#: ``step-N`` + this: DeepSpeed's universal conversion of step N, beside it (another world size).
+UNIVERSAL_SUFFIX = ".universal"
 CKPT_TRAINER = "trainer.json"
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 

@@ -38,6 +38,7 @@ from pipeline.artifacts import (
     CHECKPOINTS,
     CKPT_MANIFEST,
     CKPT_TRAINER,
+    UNIVERSAL_SUFFIX,
     checkpoint_steps,
     fsync_dir,
     inside,
@@ -223,6 +224,8 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     old = [path for _, path in checkpoint_steps(root)[:-keep_last]] if keep_last > 0 else []
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
+        # DeepSpeed's universal conversion of it (pipeline.checkpoint_universal), if any.
+        shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)
     return old
 
 
@@ -335,7 +338,7 @@ class TrainerState:
 #: Train keys that do not change the trained model: bookkeeping and the layout (a run resumes on
 #: another world size with the same global batch).
 _LAYOUT_KEYS = ("checkpoint_every", "keep_last", "micro_batch_size", "grad_accum",
-                "global_batch_size", "record_samples", "tp", "pp")
+                "global_batch_size", "record_samples", "tp", "pp", "pp_schedule")
 
 
 def config_hash(run: RunConfig) -> str:
@@ -426,20 +429,36 @@ class CheckpointManager:
         rank reads it); returns the trainer's state saved with it. The engines unpickle
         nothing but through allow-lists."""
         saved_world = read_json(path / MANIFEST).get("world_size")
+        extra: dict[str, Any] = {}
         if self.backend == "deepspeed" and saved_world != self.world_size:
-            raise PipelineError(
-                f"checkpoint {path} was saved by {saved_world} DeepSpeed ranks, this job has "
-                f"{self.world_size}: ZeRO partitions do not reshard on load. Convert it with "
-                f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/ds "
-                "--output_folder <dir>` and load that (DeepSpeed's universal checkpoint), "
-                f"or run on {saved_world} processes; fsdp runs reshard automatically"
-            )
+            # ZeRO partitions do not reshard: load DeepSpeed's universal form of it instead.
+            extra["universal"] = self._universal(path, saved_world)
         state = TrainerState.read(path / CKPT_TRAINER)
-        engine.load(path, {"scheduler": state.scheduler})
+        engine.load(path, {"scheduler": state.scheduler, **extra})
         loader.load_state_dict(state.loader)
         if saved_world == self.world_size:
             load_rng(path, self.rank)
         return state
+
+    def _universal(self, path: Path, saved_world: Any) -> Path:
+        """Collective: rank 0 converts ``path`` to (or verifies) its universal sibling; every
+        rank gets the folder, or the same error."""
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_universal import ensure_universal, universal_dir
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            log.info("checkpoint %s was saved by %s DeepSpeed ranks, this job has %d: loading "
+                     "its universal conversion", path.name, saved_world, self.world_size)
+            try:
+                ensure_universal(path)
+            except PipelineError as err:
+                box = [str(err)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise PipelineError(box[0])
+        return universal_dir(path)
 
     def save(self, engine: Any, state: TrainerState) -> Path:
         """Collective: every rank writes into the tmp folder (engine files, its RNG), rank 0

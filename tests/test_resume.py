@@ -220,11 +220,25 @@ def write_config(data_dir: Path, name: str, **train) -> Path:
     return path
 
 
-def test_fsdp_resumes_on_another_world_size_with_the_same_data_order(data_dir, tmp_path):
-    """Saved by 2 ranks, resumed by 1 with twice the accumulation: same global batch, so the
-    same experiment; DCP reshards the state and the loader continues the same sample stream."""
-    run_dir = tmp_path / "r"
-    two = write_config(data_dir, "two")
+ENGINES = {"fsdp": {}, "ds": {"backend": "deepspeed", "zero_stage": 2}}
+
+
+_WORLD_CHANGES: dict[str, tuple[str, Path, int]] = {}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def world_change(request, data_dir, tmp_path_factory) -> tuple[str, Path, int]:
+    return change_world(request.param, data_dir, tmp_path_factory)
+
+
+def change_world(engine: str, data_dir: Path, tmp_path_factory) -> tuple[str, Path, int]:
+    """Saved by 2 ranks, resumed by 1 with twice the accumulation: the same global batch, so
+    the same experiment. fsdp: DCP reshards the state; DeepSpeed: its universal checkpoint,
+    converted automatically beside the step folder. Once per engine and module."""
+    if engine in _WORLD_CHANGES:
+        return _WORLD_CHANGES[engine]
+    run_dir = tmp_path_factory.mktemp(f"world-{engine}") / "r"
+    two = write_config(data_dir, f"two-{engine}", **ENGINES[engine])
     run_cli("pipeline.render", "--config", str(two), "--run", "r", "--out", str(run_dir),
             "--data-manifest", str(data_dir / "manifest.json"))
     proc = torchrun(run_dir, data_dir)
@@ -239,17 +253,25 @@ def test_fsdp_resumes_on_another_world_size_with_the_same_data_order(data_dir, t
 
     cfg = yaml.safe_load(yaml.safe_dump(CONFIG))
     cfg["cluster"]["gpus_per_node"] = 1
-    cfg["runs"] = {"r": {"train": {"grad_accum": 4}}}
-    one = data_dir.parent / "one.yaml"
+    # keep_last is bookkeeping (not hashed): keeping every checkpoint lets the test inspect the
+    # one the change resumed from.
+    cfg["runs"] = {"r": {"train": {**ENGINES[engine], "grad_accum": 4, "keep_last": 10}}}
+    one = data_dir.parent / f"one-{engine}.yaml"
     one.write_text(yaml.safe_dump(cfg))
     run_cli("pipeline.render", "--config", str(one), "--run", "r", "--out", str(run_dir),
             "--data-manifest", str(data_dir / "manifest.json"))
     res = subprocess.run(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
          "-m", "pipeline.train", "worker", "--run-dir", str(run_dir), "--data-dir", str(data_dir)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        env=subprocess_env(), capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    _WORLD_CHANGES[engine] = (engine, run_dir, stopped_at)
+    return _WORLD_CHANGES[engine]
+
+
+def test_resume_on_another_world_size_keeps_the_data_order(world_change, data_dir):
+    _, run_dir, stopped_at = world_change
     starts = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
               if '"start"' in x]
     assert starts[-1]["resumed_from"] == stopped_at  # the 2-rank attempt's stop checkpoint
@@ -269,6 +291,36 @@ def test_fsdp_resumes_on_another_world_size_with_the_same_data_order(data_dir, t
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(stopped_at + 1, STEPS + 1):
         assert got[step] == expected[step], step
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in
+            map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_deepspeed_on_another_world_size_loads_its_universal_conversion(
+        world_change, data_dir, tmp_path_factory):
+    """The DeepSpeed run continued from its universal checkpoint: converted once, verified,
+    beside the step folder (which is left as it was); its losses after the change follow the
+    fsdp run that made the same change within 1e-4 (same global batch, same sequences)."""
+    engine, run_dir, stopped_at = world_change
+    if engine != "ds":
+        pytest.skip("the fsdp run is the reference of the deepspeed one")
+    from pipeline.checkpoint import verify as verify_step
+    from pipeline.checkpoint_universal import universal_dir, verify
+
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["resumed_from"] for e in events if e["event"] == "start"][-1] == stopped_at
+    step = run_dir / "checkpoints" / f"step-{stopped_at:06d}"
+    universal = universal_dir(step)
+    assert verify_step(step) is None  # the step folder still verifies: nothing written into it
+    assert universal.is_dir() and verify(universal)
+    assert not any(p.name.startswith(".tmp-") for p in step.parent.iterdir())
+    _, fsdp_dir, _ = change_world("fsdp", data_dir, tmp_path_factory)
+    ds, fs = _losses(run_dir), _losses(fsdp_dir)
+    assert sorted(ds) == sorted(fs) == list(range(1, STEPS + 1))
+    after = range(stopped_at + 1, STEPS + 1)
+    assert max(abs(ds[s] - fs[s]) / fs[s] for s in after) < 1e-4
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):

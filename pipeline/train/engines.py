@@ -279,6 +279,10 @@ class DeepSpeedEngine:
         # DeepSpeed's checkpoint engine loads with weights_only=False: every rank checks every
         # file's globals against the allow-list first (the same answer on all ranks), and the
         # engine's load goes through weights_only=True with DeepSpeed's few classes.
+        universal = extra.get("universal")
+        if universal is not None:
+            self._load_universal(Path(universal))
+            return
         check_ds_files(ckpt / "ds")
         ce = self.engine.checkpoint_engine
         ce.load = load_ds_file_for_engine
@@ -290,6 +294,28 @@ class DeepSpeedEngine:
             del ce.load  # back to the class's method
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt}")
+
+    def _load_universal(self, folder: Path) -> None:
+        """Another world size: DeepSpeed's universal checkpoint (``pipeline.checkpoint_universal``
+        converted and verified it), loaded with ``load_universal`` switched on for this load only;
+        DeepSpeed's readers go through the allow-listed ``torch.load``."""
+        from pipeline.checkpoint_tensors import load_ds_file_for_engine
+        from pipeline.checkpoint_universal import TAG, safe_torch_load
+
+        cfg = self.engine._config
+        ce = self.engine.checkpoint_engine
+        ce.load = load_ds_file_for_engine
+        cfg.load_universal_checkpoint = True
+        try:
+            with safe_torch_load():
+                path, _ = self.engine.load_checkpoint(
+                    str(folder), tag=TAG, load_optimizer_states=True,
+                    load_lr_scheduler_states=True)
+        finally:
+            cfg.load_universal_checkpoint = False
+            del ce.load
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {folder}")
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
