@@ -103,12 +103,20 @@ def pipeline_module(model: Any, stages: int, *, activation_checkpointing: bool) 
     layers += [LayerSpec(DecoderPipe, layer, inner.rotary_emb, eager)
                for layer in decoder_layers(model)]
     layers.append(LayerSpec(HeadPipe, inner.norm, model.lm_head))
-    return PipelineModule(
+    module = PipelineModule(
         layers=layers, num_stages=stages, loss_fn=causal_lm_loss,
         partition_method=f"type:{DecoderPipe.__name__}",
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
         checkpointable_layers=[DecoderPipe.__name__],
     )
+    # Every parameter lives on one stage only. Without ZeRO, DeepSpeed clips with
+    # runtime.utils.clip_grad_norm_, which counts a parameter only on model-parallel rank 0
+    # unless it is marked model-parallel, and a pipeline's model-parallel rank is its stage:
+    # unmarked, the norm would be the first stage's alone (seen: 8e-5 off the DP losses with
+    # ZeRO-0). The mark is otherwise read for tensor parallelism, which never runs with this.
+    for p in module.parameters():
+        p.model_parallel = True
+    return module
 
 
 def pipeline_logits(engine: Any, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
