@@ -337,6 +337,7 @@ class Trainer:
         t_save = time.perf_counter()
         self.rec.heartbeat.beat(self.state.step, "save")  # the watchdog's save allowance
         self.ckpt.save(self.engine, self.state)
+        self.rec.heartbeat.beat(self.state.step, "train")  # saved: back to the step timeout
         self.rec.event("save", step=self.state.step, seconds=time.perf_counter() - t_save)
 
     def train(self) -> int:
