@@ -338,7 +338,8 @@ class TrainerState:
 #: Train keys that do not change the trained model: bookkeeping and the layout (a run resumes on
 #: another world size with the same global batch).
 _LAYOUT_KEYS = ("checkpoint_every", "keep_last", "micro_batch_size", "grad_accum",
-                "global_batch_size", "record_samples", "tp", "pp", "pp_schedule")
+                "global_batch_size", "record_samples", "tp", "pp", "pp_schedule",
+                "trackers")
 
 
 def config_hash(run: RunConfig) -> str:

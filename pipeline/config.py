@@ -55,6 +55,10 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Accounting = Literal["deepspeed", "paper"]
 AttnImplementation = Literal["eager", "sdpa"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+OnExhausted = Literal["repeat", "stop"]
+#: A data source's name: a key of ``train.mixture``, part of shard file names.
+SOURCE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _no_nul(value: str) -> str:
@@ -91,6 +95,9 @@ class _Strict(BaseModel):
 class SourceConfig(_Strict):
     """One input corpus: a path or glob of text files."""
 
+    name: str | None = None
+    """The source's name in ``train.mixture``, the manifest's per-source counts and the report
+    (letters, digits, ``_ . -``); default ``source<i>`` by position."""
     path: PathStr
     """File, directory or glob. A leading ``<stdlib>`` expands to the Python standard library's
     source directory (the embedded default corpus, present on every machine)."""
@@ -100,6 +107,13 @@ class SourceConfig(_Strict):
     """JSONL field / Parquet column holding the document text."""
     doc_split: DocSplit = "file"
     """For txt: one document per file, or one per blank-line-separated block."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not SOURCE_NAME_RE.fullmatch(value):
+            raise ValueError(f"{value!r} must match {SOURCE_NAME_RE.pattern}")
+        return value
 
 
 class TokenizerConfig(_Strict):
@@ -131,8 +145,17 @@ class DataConfig(_Strict):
     bos: bool = False
     """Prepend BOS to every document (EOS is always appended)."""
 
+    @property
+    def source_names(self) -> list[str]:
+        """Each source's name: its ``name``, else ``source<i>`` by position."""
+        return [s.name or f"source{i}" for i, s in enumerate(self.sources)]
+
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:
+        names = self.source_names
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"data.sources: names must be unique, {dup} repeat")
         first = self.sources[0]
         for i, s in enumerate(self.sources[1:], start=1):
             if (s.format, s.text_field, s.doc_split) != (first.format, first.text_field, first.doc_split):
@@ -312,6 +335,36 @@ class TrainConfig(_Strict):
     loss_scale_growth_interval: int = Field(2000, ge=1)
     """fp16 with ``backend: ddp``: the loss scale doubles after this many steps without
     overflow."""
+    compile: bool = False
+    """Compile each decoder layer with ``torch.compile`` (torchtitan's approach: per layer, in
+    place, so parameter names and checkpoints are unchanged)."""
+    trackers: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that receive every metric, the evaluation results and the run config
+    (``mlflow`` and ``wandb`` are optional extras: ``pip install -e '.[trackers]'``)."""
+    mixture: dict[str, float] | None = None
+    """Sampling weight of each data source by name (``data.sources[].name``); ``null``: in
+    proportion to each source's tokens. Weights are relative (they need not sum to 1)."""
+    on_source_exhausted: OnExhausted = "repeat"
+    """When a source of the mixture runs out of sequences: start it over (a new epoch of that
+    source, reshuffled), or stop training there."""
+
+    @field_validator("mixture")
+    @classmethod
+    def _weights(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one source's weight, or null for proportional")
+            bad = {k: w for k, w in value.items() if not w > 0}
+            if bad:
+                raise ValueError(f"weights must be > 0: {bad}")
+        return value
+
+    @field_validator("trackers")
+    @classmethod
+    def _unique_trackers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: each tracker once")
+        return value
 
     @field_validator("deepspeed")
     @classmethod
@@ -437,6 +490,12 @@ class RunConfig(_Strict):
                 f"({t.grad_accum}) × data-parallel degree ({self.dp_size} = cluster.nodes × "
                 f"cluster.gpus_per_node / (train.tp × train.pp)) = {self.global_batch_size}; "
                 "change one of them"
+            )
+        unknown = sorted(set(t.mixture or {}) - set(self.data.source_names))
+        if unknown:
+            raise ValueError(
+                f"train.mixture names {unknown}, which are not data sources: the sources are "
+                f"{self.data.source_names} (set data.sources[].name)"
             )
         if t.pp > 1 and self.model.tie_word_embeddings:
             raise ValueError(
