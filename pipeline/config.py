@@ -44,7 +44,7 @@ MAX_SEQ_LEN = 1 << 20
 
 # The value sets of the config's choices, defined once: the planner (pipeline.plan.spec), the
 # stage CLIs and the readers take them from here.
-SourceFormat = Literal["auto", "txt", "jsonl", "parquet"]
+SourceFormat = Literal["auto", "txt", "jsonl", "parquet", "arrow"]
 DocSplit = Literal["file", "blank-line"]
 OnInvalid = Literal["skip", "fail"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -102,7 +102,8 @@ class SourceConfig(_Strict):
     """File, directory or glob. A leading ``<stdlib>`` expands to the Python standard library's
     source directory (the embedded default corpus, present on every machine)."""
     format: SourceFormat = "auto"
-    """Input format; ``auto`` decides by file extension (``.gz``/``.zst`` are looked through)."""
+    """Input format; ``auto`` decides by file extension (``.gz``/``.zst`` are looked through).
+    ``arrow``: Arrow IPC files; a folder ``datasets``' ``save_to_disk`` wrote names its own."""
     text_field: str = Field("text", min_length=1)
     """JSONL field / Parquet column holding the document text."""
     doc_split: DocSplit = "file"
@@ -131,13 +132,15 @@ class DataConfig(_Strict):
     """Raw text → packed token sequences."""
 
     sources: list[SourceConfig] = Field(min_length=1)
-    """The corpora; all are tokenized into one dataset."""
+    """The corpora. Each source is read with its own options and tokenized into its own
+    shards (``data.shards`` jobs per source) of one dataset and vocabulary; ``train.mixture``
+    weighs them per run."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer settings."""
     seq_len: int = Field(128, ge=2, le=MAX_SEQ_LEN)
     """Tokens per packed training sequence."""
     shards: int = Field(2, ge=1, le=100_000)
-    """Number of parallel tokenize jobs (and shard files)."""
+    """Number of parallel tokenize jobs (and shard files) per source."""
     val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     """Fraction of documents held out for validation (chosen by a hash of each document)."""
     on_invalid: OnInvalid = "skip"
@@ -156,13 +159,8 @@ class DataConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"data.sources: names must be unique, {dup} repeat")
-        first = self.sources[0]
-        for i, s in enumerate(self.sources[1:], start=1):
-            if (s.format, s.text_field, s.doc_split) != (first.format, first.text_field, first.doc_split):
-                raise ValueError(
-                    f"data.sources.{i}: all sources must share format, text_field and doc_split "
-                    "(one tokenize command reads them all); split them into separate configs"
-                )
+        # Each source is tokenized by its own shard jobs with its own reading options, so
+        # sources may differ in format, text_field and doc_split.
         return self
 
 

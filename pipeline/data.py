@@ -10,6 +10,10 @@
   the ``r``-th slice of ``micro_batch_size``. The state is just the cursor into the stream, so a
   run resumed with another data-parallel degree continues exactly where the saved one stopped:
   nothing repeated, nothing skipped.
+* With a mixture (``train.mixture``), the stream's entries are drawn from the named sources
+  (contiguous ranges of the split, see :attr:`PackedDataset.sources`) by weight, see
+  :class:`Mixture`. Without one, the stream above is the mixture in proportion to tokens (each
+  sequence once per epoch): the single-source order is unchanged.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
+from pipeline.mixture import DEFAULT_SOURCE, MIX_CHUNK, Mixture
 
 STATE_VERSION = 1
 
@@ -78,6 +84,25 @@ class _Shard:
             )
 
 
+def _source_ranges(entries: list[dict], offsets: np.ndarray, mp: Path) -> list[tuple[str, int, int]]:
+    """Each source's contiguous range of rows (gather writes a source's shards together)."""
+    out: list[tuple[str, int, int]] = []
+    for k, e in enumerate(entries):
+        name = e.get("source", DEFAULT_SOURCE)
+        if not isinstance(name, str):
+            raise PipelineError(f"{mp}: shard {k}'s 'source' is not a name; rerun the gather step")
+        lo, hi = int(offsets[k]), int(offsets[k + 1])
+        if out and out[-1][0] == name:
+            out[-1] = (name, out[-1][1], hi)
+        elif any(n == name for n, _, _ in out):
+            raise PipelineError(
+                f"{mp}: the shards of source {name!r} are not listed together; rerun the gather step"
+            )
+        else:
+            out.append((name, lo, hi))
+    return out
+
+
 class PackedDataset:
     """The packed sequences of one split of a tokenized data directory.
 
@@ -106,6 +131,8 @@ class PackedDataset:
         # Shard paths are data read from a file: they stay inside the data directory.
         self.paths = [af.inside(self.data_dir, e["path"], mp) for e in self.entries]
         self.offsets = np.cumsum([0] + [int(e["sequences"]) for e in self.entries])
+        #: ``(name, first row, end row)`` of each named source, in manifest order.
+        self.sources: list[tuple[str, int, int]] = _source_ranges(self.entries, self.offsets, mp)
         self._shards: dict[int, _Shard] = {}
         # Row address table, filled as shards open: global row -> (block, row in block), so a
         # batch is gathered with one small loop and no per-batch searching (the loader's hot path).
@@ -171,6 +198,14 @@ class PackedDataset:
                 self.shard(k)
         return self._gather(idx, dtype)
 
+    def rows_int64(self, idx: np.ndarray) -> np.ndarray:
+        """Rows at valid indices ``idx`` as int64 (what torch trains on), opening shards as
+        needed: the loader's hot path."""
+        if not self._all_open:
+            for k in np.unique(np.searchsorted(self.offsets, idx, side="right") - 1).tolist():
+                self.shard(k)
+        return self._gather(idx, np.int64)
+
     def _gather(self, idx: np.ndarray, dtype: type) -> np.ndarray:
         """Rows at valid indices ``idx`` of open shards: the hot path, kept minimal."""
         out = np.empty((len(idx), self.seq_len), dtype=dtype)
@@ -180,12 +215,18 @@ class PackedDataset:
         return out
 
 
+#: Steps of rows the loader gathers at once, and the most bytes (int64) it holds ahead.
+PREFETCH_STEPS = 64
+PREFETCH_BYTES = 8 << 20
 class BatchLoader:
     """Deterministic, resumable micro batches for one data-parallel rank (see module doc).
 
     ``next_batch()`` returns ``{"input_ids": LongTensor[micro, seq_len], "indices": [...]}``.
     ``state_dict()`` is JSON-serialisable and the same on every rank; restore it with any
-    ``dp_size``/``dp_rank``.
+    ``dp_size``/``dp_rank``. ``mixture`` (source name → weight, ``train.mixture``) draws from the
+    named sources by weight (:class:`Mixture`); None (the default) is the plain shuffle, in
+    proportion to each source's tokens. ``on_exhausted`` (``train.on_source_exhausted``) only
+    bounds :meth:`last_step`: ``stop`` ends training before any source would be repeated.
     """
 
     def __init__(
@@ -197,6 +238,8 @@ class BatchLoader:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        mixture: dict[str, float] | None = None,
+        on_exhausted: str = "repeat",
     ) -> None:
         if micro_batch_size < 1:
             raise PipelineError(f"micro_batch_size {micro_batch_size} must be at least 1")
@@ -206,16 +249,35 @@ class BatchLoader:
             )
         if len(dataset) == 0:
             raise PipelineError(f"the {dataset.split} split of {dataset.data_dir} has no sequences")
+        if on_exhausted not in ("repeat", "stop"):
+            raise PipelineError(f"on_exhausted {on_exhausted!r} must be 'repeat' or 'stop'")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.on_exhausted = on_exhausted
+        self.mixture = None if mixture is None else Mixture(dataset.sources, mixture, seed)
         self._n = len(dataset)
         self.cursor = 0  # position in the global stream of the next entry to hand out
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
+        # Mixed stream: rows of entries [_chunk_at, _chunk_at + len(_chunk_rows)), and each
+        # source's draw count at _chunk_at.
+        self._chunk_at = 0
+        self._chunk_rows = np.zeros(0, dtype=np.int64)
+        self._chunk_src = np.zeros(0, dtype=np.int64)
+        self._chunk_drawn = (
+            None if self.mixture is None else np.zeros(len(self.mixture.names), dtype=np.int64)
+        )
+        self._drop_buffer()
+
+    def _drop_buffer(self) -> None:
+        """Forget the rows gathered ahead (after a restore: they may be of another position)."""
+        self._buf_at, self._buf_steps = 0, 0
+        self._buf_idx = np.zeros((0, self.micro_batch_size), dtype=np.int64)
+        self._buf_rows: Any = None
 
     @property
     def epoch(self) -> int:
@@ -236,6 +298,8 @@ class BatchLoader:
 
     def stream(self, start: int, count: int) -> np.ndarray:
         """Global stream entries ``[start, start + count)`` (sequence indices)."""
+        if self.mixture is not None:
+            return self._mixed(start, count)
         n = len(self.dataset)
         out = np.empty(count, dtype=np.int64)
         pos, filled = start, 0
@@ -247,34 +311,120 @@ class BatchLoader:
             pos += take
         return out
 
+    def _mixed(self, start: int, count: int) -> np.ndarray:
+        """Entries of the mixed stream (recomputed in chunks as the cursor moves on)."""
+        mix = self.mixture
+        assert mix is not None and self._chunk_drawn is not None
+        end = self._chunk_at + len(self._chunk_rows)
+        if not self._chunk_at <= start or start + count > end:
+            if self._chunk_at <= start <= end:  # move forward from the cached chunk
+                drawn = self._chunk_drawn + np.bincount(
+                    self._chunk_src[: start - self._chunk_at], minlength=len(mix.names)
+                )
+            else:  # anywhere else (a restored state; a lookup of the past)
+                drawn = mix.drawn_at(start)
+            src, k = mix.chunk(drawn, max(MIX_CHUNK, count))
+            self._chunk_at, self._chunk_drawn, self._chunk_src = start, drawn, src
+            self._chunk_rows = mix.rows(src, k)
+        off = start - self._chunk_at
+        return self._chunk_rows[off : off + count]
+
     def next_indices(self) -> np.ndarray:
         """This rank's sequence indices of the next micro step (advances the cursor)."""
         m = self.micro_batch_size
         start = self.cursor + self.dp_rank * m
-        epoch, off = divmod(start, self._n)
-        # Common case inside one epoch: a slice of the permutation; else stitch epochs.
-        idx = (
-            self._permutation(epoch)[off : off + m] if off + m <= self._n else self.stream(start, m)
-        )
+        if self.mixture is not None:
+            # The whole global micro step at once, so every rank's chunk starts at the same
+            # entries whatever its rank (and the chunk covers the step of every rank).
+            idx = self._mixed(self.cursor, m * self.dp_size)[self.dp_rank * m : (self.dp_rank + 1) * m]
+        else:
+            epoch, off = divmod(start, self._n)
+            # Common case inside one epoch: a slice of the permutation; else stitch epochs.
+            idx = (
+                self._permutation(epoch)[off : off + m]
+                if off + m <= self._n
+                else self.stream(start, m)
+            )
         self.cursor += m * self.dp_size
         return idx
 
     def next_batch(self) -> dict:
-        """This rank's next micro batch."""
+        """This rank's next micro batch (a slice of rows gathered for several steps at once)."""
+
+        step = self.micro_batch_size * self.dp_size
+        j = (self.cursor - self._buf_at) // step
+        if self.cursor < self._buf_at or j >= self._buf_steps:
+            self._fill()
+            j = 0
+        self.cursor += step
+        m = self.micro_batch_size
+        idx = self._buf_idx[j]
+        return {"input_ids": self._buf_rows[j * m : (j + 1) * m], "indices": idx.tolist()}
+
+    def _fill(self) -> None:
+        """Gather this rank's rows of the next steps in one pass: the per-step cost is then a
+        slice, and the rows are converted to int64 in bulk (issue 14: the loader against a
+        memmap read of the same rows)."""
         import torch
 
-        idx = self.next_indices()
-        ds = self.dataset
-        rows = ds._gather(idx, np.int64) if ds._all_open else ds.get_rows(idx, dtype=np.int64)
-        return {"input_ids": torch.from_numpy(rows), "indices": idx.tolist()}
+        m, step = self.micro_batch_size, self.micro_batch_size * self.dp_size
+        row_bytes = m * self.dataset.seq_len * 8
+        steps = max(1, min(PREFETCH_STEPS, PREFETCH_BYTES // row_bytes))
+        block = self.stream(self.cursor, steps * step).reshape(steps, self.dp_size, m)
+        self._buf_idx = block[:, self.dp_rank, :]
+        self._buf_rows = torch.from_numpy(self.dataset.rows_int64(self._buf_idx.reshape(-1)))
+        self._buf_at, self._buf_steps = self.cursor, steps
 
     def __iter__(self) -> Iterator[dict]:
         while True:
             yield self.next_batch()
 
+    # --- accounting --------------------------------------------------------------------------
+
+    def drawn(self, position: int | None = None) -> dict[str, int]:
+        """Sequences of each source in the global stream's first ``position`` entries (default:
+        the cursor), every source of the split named (0 for those not drawn)."""
+        pos = self.cursor if position is None else position
+        out = {name: 0 for name, _, _ in self.dataset.sources}
+        if self.mixture is not None:
+            mix = self.mixture
+            if self._chunk_at <= pos <= self._chunk_at + len(self._chunk_rows):
+                assert self._chunk_drawn is not None
+                counts = self._chunk_drawn + np.bincount(
+                    self._chunk_src[: pos - self._chunk_at], minlength=len(mix.names)
+                )
+            else:
+                counts = mix.drawn_at(pos)
+            out.update({n: int(c) for n, c in zip(mix.names, counts, strict=True)})
+            return out
+        epoch, off = divmod(pos, self._n)
+        ends = np.array([hi for _, _, hi in self.dataset.sources], dtype=np.int64)
+        part = np.bincount(
+            np.searchsorted(ends, self._permutation(epoch)[:off], side="right"),
+            minlength=len(ends),
+        ) if off else np.zeros(len(ends), dtype=np.int64)
+        for j, (name, lo, hi) in enumerate(self.dataset.sources):
+            out[name] = epoch * (hi - lo) + int(part[j])
+        return out
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens consumed from each source so far, over all ranks (``train.done``)."""
+        return {n: c * self.dataset.seq_len for n, c in self.drawn().items()}
+
+    def last_step(self, max_steps: int, grad_accum: int) -> int:
+        """The step training ends at: ``max_steps``, or with ``on_exhausted='stop'`` the last
+        step before any source of the stream would be drawn a second time."""
+        if self.on_exhausted != "stop":
+            return max_steps
+        per_step = self.micro_batch_size * self.dp_size * grad_accum
+        at = self._n if self.mixture is None else self.mixture.exhausted_at()
+        return min(max_steps, at // per_step)
+
+    # --- state -------------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
         """JSON-serialisable position in the global stream (identical on all ranks)."""
-        return {
+        state = {
             "version": STATE_VERSION,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -282,6 +432,11 @@ class BatchLoader:
             "num_sequences": len(self.dataset),
             "data_fingerprint": self.dataset.fingerprint,
         }
+        if self.mixture is not None:
+            # The weights as used and each source's draws: a resume continues the same merge.
+            state["mixture"] = dict(zip(self.mixture.names, self.mixture.weights.tolist(), strict=True))
+            state["drawn"] = self.drawn()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position; the data and seed must be those of the saved run."""
@@ -303,7 +458,19 @@ class BatchLoader:
                 f"the saved loader state used seed {state['seed']} (shuffle {state.get('shuffle', True)}); "
                 f"this loader has seed {self.seed} (shuffle {self.shuffle}): resume with the same seed"
             )
+        mine = self.state_dict().get("mixture")
+        if state.get("mixture") != mine:
+            raise PipelineError(
+                f"the saved loader state used the mixture {state.get('mixture')}; this loader has "
+                f"{mine}: resume with the same train.mixture"
+            )
         self.cursor = int(state["cursor"])
+        self._drop_buffer()
+        if self.mixture is not None:
+            drawn = np.array([int(state["drawn"][n]) for n in self.mixture.names], dtype=np.int64)
+            # Seed the chunk cache at the cursor with the saved counts (no search needed).
+            self._chunk_at, self._chunk_drawn = self.cursor, drawn
+            self._chunk_rows = self._chunk_src = np.zeros(0, dtype=np.int64)
 
 
 def validation_batches(

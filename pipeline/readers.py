@@ -10,6 +10,8 @@ Documents and their normalisation (what a round trip gives back):
 * ``jsonl``: the string value of the text field of each line; blank lines are ignored; a null or
   whitespace-only value is skipped as ``empty``.
 * ``parquet``: each non-null, non-blank value of the text column (string or UTF-8 binary).
+* ``arrow``: the same, from Arrow IPC files: what ``datasets``' ``save_to_disk`` writes (name
+  the folder; its ``state.json`` lists the files).
 * ``.gz`` / ``.zst`` variants of each are decompressed on the fly.
 
 Which part of which file a shard reads, and big documents, are :mod:`pipeline.sources`.
@@ -132,6 +134,8 @@ class DocReader:
             with reading(s.path):
                 if s.fmt == "parquet":
                     yield from self._parquet(t)
+                elif s.fmt == "arrow":
+                    yield from self._arrow(t)
                 elif s.fmt == "jsonl":
                     yield from self._jsonl(t)
                 elif self.spec.doc_split == "blank-line":
@@ -293,24 +297,50 @@ class DocReader:
             )
         groups = list(t.row_groups) if t.row_groups is not None else None
         for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=[col]):
-            arr = batch.column(0)
-            binary = pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)
-            for v in arr.to_pylist():
-                if v is None:
-                    self._count("empty", s.path)
-                    continue
-                if binary:
-                    v = self._decode(v, f"{s.path} (column {col!r})")
-                    if v is None:
-                        continue
-                elif not isinstance(v, str):
+            yield from self._values(batch.column(0), s, col)
+
+    # -- Arrow (the files of a `datasets` directory, save_to_disk) ------------------------------
+    def _arrow(self, t: Task) -> Iterator[str]:
+        import pyarrow as pa
+
+        s = t.source
+        col = self.spec.text_field
+        with pa.memory_map(s.path, "r") as mm:
+            try:  # datasets writes IPC streams; IPC files are read too
+                batches = iter(pa.ipc.open_stream(mm))
+            except pa.ArrowInvalid:
+                mm.seek(0)
+                f = pa.ipc.open_file(mm)
+                batches = (f.get_batch(i) for i in range(f.num_record_batches))
+            for batch in batches:
+                if col not in batch.schema.names:
                     raise PipelineError(
-                        f"{s.path}: column {col!r} holds {arr.type}, not text; name a string column with --text-field"
+                        f"{s.path}: Arrow file has no column {col!r} (columns: "
+                        f"{', '.join(batch.schema.names)}); set text_field to the text column"
                     )
-                elif not v.strip():
-                    self._count("empty", s.path)
+                yield from self._values(batch.column(col), s, col)
+
+    def _values(self, arr, s: Source, col: str) -> Iterator[str]:
+        """The documents of one text column chunk (Parquet or Arrow), counting skips."""
+        import pyarrow as pa
+
+        binary = pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)
+        for v in arr.to_pylist():
+            if v is None:
+                self._count("empty", s.path)
+                continue
+            if binary:
+                v = self._decode(v, f"{s.path} (column {col!r})")
+                if v is None:
                     continue
-                yield v
+            elif not isinstance(v, str):
+                raise PipelineError(
+                    f"{s.path}: column {col!r} holds {arr.type}, not text; name a string column with --text-field"
+                )
+            elif not v.strip():
+                self._count("empty", s.path)
+                continue
+            yield v
 
 
 def _prev_line_blank(f: BinaryIO, pos: int) -> bool:

@@ -5,7 +5,8 @@ What files an input names (:func:`expand_paths`, the one expander: the config ch
 taken as it is (a dotfile too); a directory is walked recursively, skipping hidden files and
 hidden directories (a name starting with ``.``, as a glob's ``*`` does); a glob's matching files;
 ``<stdlib>`` at the start means Python's standard library directory, ``~`` the home directory.
-Directory and glob matches are sorted.
+Directory and glob matches are sorted. A directory that ``datasets``' ``save_to_disk`` wrote
+(``state.json`` + ``dataset_info.json``) names its Arrow files, in the order it lists them.
 
 Work is split among K shard jobs by byte range over the concatenation of all sources (in the
 order given, each glob's matches sorted): a document belongs to the shard whose range holds its
@@ -43,7 +44,7 @@ READ_CHUNK = 4 << 20
 
 # The same value sets as pipeline.config's SourceFormat (less "auto") and DocSplit; this
 # module sits below pipeline.config, so tests/test_config.py checks that they agree.
-FORMATS = ("txt", "jsonl", "parquet")
+FORMATS = ("txt", "jsonl", "parquet", "arrow")
 DOC_SPLITS = ("file", "blank-line")
 _EXT_FORMAT = {
     ".jsonl": "jsonl",
@@ -51,6 +52,7 @@ _EXT_FORMAT = {
     ".ndjson": "jsonl",
     ".parquet": "parquet",
     ".pq": "parquet",
+    ".arrow": "arrow",
 }
 _COMPRESSED = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 
@@ -93,10 +95,34 @@ def _hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
 
 
+def datasets_files(folder: str) -> list[str] | None:
+    """The Arrow files of a folder that ``datasets.Dataset.save_to_disk`` wrote (its
+    ``state.json`` lists them, in order), or None when ``folder`` is not one."""
+    import json
+
+    state = Path(folder) / "state.json"
+    if not (state.is_file() and (Path(folder) / "dataset_info.json").is_file()):
+        return None
+    try:
+        files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PipelineError(f"{state}: not a datasets state file ({e}): save the dataset again") from e
+    out = []
+    for name in files:
+        p = Path(folder) / name
+        if not isinstance(name, str) or p.parent != Path(folder) or not p.is_file():
+            raise PipelineError(f"{state} lists {name!r}, which is not a file of {folder}")
+        out.append(str(p))
+    return out
+
+
 def expand_paths(pattern: str) -> list[str]:
     """The files one input names (see the module docstring); empty when it names none."""
     expanded = expand_input(pattern)
     if os.path.isdir(expanded):
+        saved = datasets_files(expanded)
+        if saved is not None:  # a local `datasets` directory: its Arrow files, in its order
+            return saved
         root = Path(expanded)
         return sorted(
             str(p) for p in root.rglob("*") if p.is_file() and not _hidden(p.relative_to(root))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -376,9 +377,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pipeline.readers import iter_texts
     from pipeline.sources import SourceSpec
 
-    spec = SourceSpec.from_args(
-        args.input, fmt=args.format, text_field=args.text_field, doc_split=args.doc_split
-    )
+    if (args.input is None) == (args.sources_json is None):
+        raise PipelineError("give --input (sources read alike) or --sources-json, one of them")
+    if args.input is not None:
+        specs = [SourceSpec.from_args(
+            args.input, fmt=args.format, text_field=args.text_field, doc_split=args.doc_split
+        )]
+    else:
+        specs = _specs_from_json(args.sources_json)
     if args.max_bytes is not None and args.max_bytes < 1:
         raise PipelineError(f"--max-bytes {args.max_bytes} must be at least 1")
     if args.min_frequency < 0:
@@ -388,7 +394,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise PipelineError(f"special token {tok!r} is empty: name a token such as <|bos|>")
     skipped: dict[str, int] = {}
     examples: dict[str, str] = {}
-    texts = iter_texts(spec, max_bytes=args.max_bytes, skipped=skipped, examples=examples)
+    # Each source reads its own format; an equal share of the byte budget each, so that a small
+    # source listed last still shapes the vocabulary.
+    share = None if args.max_bytes is None else max(1, args.max_bytes // len(specs))
+    texts = itertools.chain.from_iterable(
+        iter_texts(spec, max_bytes=share, skipped=skipped, examples=examples) for spec in specs
+    )
     try:
         out = train_tokenizer(
             texts,
@@ -407,6 +418,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _specs_from_json(text: str) -> list:
+    """``--sources-json``: a list of ``{path, format, text_field, doc_split}`` (data.sources)."""
+    from pipeline.sources import SourceSpec
+
+    try:
+        items = json.loads(text)
+        specs = [
+            SourceSpec.from_args(
+                [it["path"]], fmt=it.get("format", "auto"), text_field=it.get("text_field", "text"),
+                doc_split=it.get("doc_split", "file"),
+            )
+            for it in items
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise PipelineError(
+            f"--sources-json is not a list of {{path, format, text_field, doc_split}} ({e})"
+        ) from None
+    if not specs:
+        raise PipelineError("--sources-json lists no source")
+    return specs
+
+
 def _parser() -> argparse.ArgumentParser:
     """Options that mirror a config key (``data.tokenizer.*``, ``data.sources[].*``) take its
     default and description from ``pipeline.config``."""
@@ -422,8 +455,12 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--input",
         nargs="+",
-        required=True,
         help="files, globs or dirs; <stdlib> = Python's stdlib dir",
+    )
+    tr.add_argument(
+        "--sources-json",
+        help="instead of --input: a JSON list of data.sources entries (path, format, "
+        "text_field, doc_split), each read its own way, each an equal share of --max-bytes",
     )
     mirror_argument(tr, "--vocab-size", TokenizerConfig, "vocab_size")
     tr.add_argument("--out", required=True, help="output tokenizer directory")

@@ -49,3 +49,21 @@ def test_expanded_paths_keep_the_spelling_of_the_source(corpus: Path, monkeypatc
 def test_reader_value_sets_agree_with_the_config_types() -> None:
     assert get_args(SourceFormat) == ("auto", *FORMATS)
     assert get_args(DocSplit) == DOC_SPLITS
+
+
+def test_a_local_datasets_directory_is_read_as_its_arrow_files(tmp_path: Path) -> None:
+    import datasets
+
+    from pipeline.readers import iter_texts
+
+    texts = [f"document {i}\nwith two lines" for i in range(50)] + ["  ", None]
+    ds = datasets.Dataset.from_dict({"body": texts, "n": list(range(52))})
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    files = expand_paths(str(tmp_path / "saved"))
+    assert [Path(f).name for f in files] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    by_config = [os.path.abspath(p) for p in expand_sources([SourceConfig(path=str(tmp_path / "saved"))])]
+    assert by_config == [os.path.abspath(f) for f in files]
+    skipped: dict[str, int] = {}
+    spec = SourceSpec.from_args([str(tmp_path / "saved")], text_field="body")
+    assert list(iter_texts(spec, skipped=skipped)) == texts[:50]
+    assert skipped == {"empty": 2}

@@ -3,8 +3,8 @@
     python -m pipeline.tokenize shard --input PATH... --tokenizer DIR --seq-len N --shards K
         --shard I --out DIR [--format auto|txt|jsonl|parquet] [--text-field F]
         [--doc-split file|blank-line] [--val-fraction F] [--on-invalid skip|fail] [--bos]
-        [--no-fast] [--threads N] [--no-progress]
-    python -m pipeline.tokenize gather --out DIR --shards K --tokenizer DIR
+        [--no-fast] [--threads N] [--no-progress] [--source-name NAME]
+    python -m pipeline.tokenize gather --out DIR --shards K --tokenizer DIR [--source NAME]...
 
 ``shard`` may be omitted (``python -m pipeline.tokenize --input ...`` tokenizes one shard).
 User errors print ``error: <message>`` to stderr and exit with status 2. Options that mirror a
@@ -57,10 +57,21 @@ def _parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="encoder threads (default: usable cores)"
     )
     sh.add_argument("--no-progress", action="store_true")
+    sh.add_argument(
+        "--source-name",
+        default=None,
+        help="the data source these inputs are (data.sources[].name): its own shard files",
+    )
     ga = sub.add_parser("gather", help="write manifest.json from complete shards")
     ga.add_argument("--out", required=True)
     ga.add_argument("--shards", type=int, required=True)
     ga.add_argument("--tokenizer", required=True)
+    ga.add_argument(
+        "--source",
+        action="append",
+        default=None,
+        help="a named source's shards (repeat, in the config's order); none: one unnamed source",
+    )
     return ap
 
 
@@ -92,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fast=not args.no_fast,
                 num_threads=args.threads,
                 progress=not args.no_progress,
+                source=args.source_name,
             )
             summary = {
                 k: stats[k] for k in ("shard", "skipped", "encoder", "elapsed_s", "tokens_per_s")
@@ -102,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             print(json.dumps(summary))
         else:
-            m = gather(args.out, args.shards, args.tokenizer)
+            m = gather(args.out, args.shards, args.tokenizer, args.source)
             print(
                 json.dumps(
                     {

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.artifacts import inside, read_artifact
 from pipeline.errors import PipelineError
+from pipeline.mixture import DEFAULT_SOURCE
 from pipeline.tokenize.shard import FORMAT, SPLITS, shard_name, stats_path
 from pipeline.tokenizer import tokenizer_info
 
@@ -19,11 +21,38 @@ from pipeline.tokenizer import tokenizer_info
 _KEYS = ("sequences", "tokens", "documents", "tail_tokens")
 
 
-def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLike[str]) -> dict:
-    """Combine the stats of all ``shards`` shards into ``out/manifest.json`` (atomically)."""
+#: Options every source's shards must share (they are packed into one vocabulary and length).
+_SHARED = ("seq_len", "shards", "tokenizer_fingerprint", "val_fraction", "bos")
+
+
+def gather(
+    out: str | os.PathLike[str],
+    shards: int,
+    tokenizer: str | os.PathLike[str],
+    sources: Sequence[str] | None = None,
+) -> dict:
+    """Combine the stats of all ``shards`` shards into ``out/manifest.json`` (atomically).
+
+    ``sources``: the names of the data sources (each tokenized into its own ``shards`` shards,
+    ``tokenize_shard(source=...)``), in the config's order; None is the one unnamed source. The
+    manifest lists every source's shards together, each entry naming its ``source``, and counts
+    each source apart under ``by_source``.
+    """
     out = Path(out)
-    stats = _load_stats(out, shards)
+    names: list[str | None] = [None] if not sources else list(sources)
+    if len(set(names)) != len(names):
+        raise PipelineError(f"--source names must be unique, got {list(sources or [])}")
+    per_source = [_load_stats(out, shards, name) for name in names]
+    stats = [st for group in per_source for st in group]
     opts = stats[0]["options"]
+    for name, group in zip(names, per_source, strict=True):
+        theirs = {k: group[0]["options"].get(k) for k in _SHARED}
+        if theirs != {k: opts.get(k) for k in _SHARED}:
+            raise PipelineError(
+                f"the shards of source {name!r} were made with other options ({theirs}) than "
+                f"those of {names[0]!r}: rerun every source's shard jobs with the same seq_len, "
+                "shards, tokenizer, val_fraction and bos"
+            )
     info = tokenizer_info(tokenizer, bos=opts["bos"])
     if info.fingerprint != opts["tokenizer_fingerprint"]:
         raise PipelineError(
@@ -77,9 +106,13 @@ def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLik
         },
         "splits": splits,
         "skipped": _sum_skipped(stats),
-        "sources": stats[0]["sources"],
+        "sources": [f for group in per_source for f in group[0]["sources"]],
         "options": {k: v for k, v in opts.items() if k not in ("tokenizer_fingerprint",)},
         "encoders": sorted({st["encoder"] for st in stats}),
+        "by_source": {
+            name or DEFAULT_SOURCE: _source_entry(out, group) for name, group in zip(
+                names, per_source, strict=True)
+        },
     }
     mp = out / "manifest.json"
     tmp = mp.with_name(f"manifest.json.tmp-{os.getpid()}")
@@ -92,33 +125,48 @@ def gather(out: str | os.PathLike[str], shards: int, tokenizer: str | os.PathLik
     return manifest
 
 
-def _load_stats(out: Path, shards: int) -> list[dict]:
-    """The stats of every shard, checked to be there and made with the same inputs/options."""
+def _source_entry(out: Path, stats: list[dict]) -> dict:
+    """One source's counts per split, its input files and reading options."""
+    entry: dict = {}
+    for split in SPLITS:
+        entry[split] = {k: sum(st["splits"][split][k] for st in stats) for k in _KEYS}
+    opts = stats[0]["options"]
+    entry["options"] = {k: opts.get(k) for k in ("format", "text_field", "doc_split")}
+    entry["inputs"] = stats[0]["sources"]
+    entry["skipped"] = _sum_skipped(stats)
+    return entry
+
+
+def _load_stats(out: Path, shards: int, source: str | None = None) -> list[dict]:
+    """The stats of every shard of one source, checked to be there and made with the same
+    inputs/options."""
     if shards < 1:
         raise PipelineError(f"--shards {shards} must be at least 1")
-    missing = [i for i in range(shards) if not stats_path(out, i).is_file()]
+    missing = [i for i in range(shards) if not stats_path(out, i, source).is_file()]
     if missing:
+        of = "" if source is None else f" of source {source!r}"
         raise PipelineError(
-            f"shard(s) {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''} of "
-            f"{shards} are not complete in {out / 'shards'} (no stats file): run those shard jobs first"
+            f"shard(s) {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}"
+            f"{of} of {shards} are not complete in {out / 'shards'} (no stats file): run those "
+            "shard jobs first"
         )
-    stats = [_read_stats(out, i) for i in range(shards)]
+    stats = [_read_stats(out, i, source) for i in range(shards)]
     opts = stats[0]["options"]
     for st in stats[1:]:
         if st["options"] != opts or st["sources"] != stats[0]["sources"]:
             raise PipelineError(
-                f"{shard_name(st['shard'])} was made with different inputs or options than "
-                f"{shard_name(0)}: rerun all shard jobs with the same arguments"
+                f"{shard_name(st['shard'], source)} was made with different inputs or options "
+                f"than {shard_name(0, source)}: rerun all shard jobs with the same arguments"
             )
     if opts["shards"] != shards:
         raise PipelineError(f"the shards were made with --shards {opts['shards']}, not {shards}")
     return stats
 
 
-def _read_stats(out: Path, i: int) -> dict:
+def _read_stats(out: Path, i: int, source: str | None = None) -> dict:
     """Shard ``i``'s stats file, checked to have what gather reads (a stats file cut short or
     edited is an error naming it and the shard to rerun)."""
-    sp = stats_path(out, i)
+    sp = stats_path(out, i, source)
     redo = f"delete it and rerun shard job {i} (python -m pipeline.tokenize shard ... --shard {i})"
     st = read_artifact(sp, "shard stats file", hint=redo)
     try:
@@ -131,6 +179,7 @@ def _read_stats(out: Path, i: int) -> dict:
             and all(isinstance(v, int) for v in st["skipped"].values())
             and isinstance(st["encoder"], str)
             and st["shard"] == i
+            and st.get("source") == source
             and all(
                 isinstance(st["splits"][s]["path"], str)
                 and isinstance(st["splits"][s]["sha256"], str)
@@ -150,7 +199,7 @@ def _split(out: Path, stats: list[dict], split: str) -> dict:
     entries = []
     for st in stats:
         e = st["splits"][split]
-        p = inside(out, e["path"], stats_path(out, st["shard"]))
+        p = inside(out, e["path"], stats_path(out, st["shard"], st.get("source")))
         if not p.is_file() or p.stat().st_size != e["bytes"]:
             raise PipelineError(
                 f"{p} is missing or has the wrong size ({e['bytes']} bytes expected): rerun "
@@ -158,6 +207,7 @@ def _split(out: Path, stats: list[dict], split: str) -> dict:
             )
         entries.append(
             {
+                **({"source": st["source"]} if "source" in st else {}),
                 "path": e["path"],
                 "sha256": e["sha256"],
                 "bytes": e["bytes"],

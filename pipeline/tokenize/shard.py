@@ -53,19 +53,31 @@ FLUSH_TOKENS = 4 << 20  # tokens per Arrow record batch (~16 MB of int32)
 VERIFY_CHARS = 64 << 10  # characters of real data re-checked against HF at the start of a shard
 
 
-def shard_name(i: int) -> str:
-    """``shard-00003``."""
-    return f"shard-{i:05d}"
+def shard_name(i: int, source: str | None = None) -> str:
+    """``shard-00003``, or ``code.shard-00003`` for shard 3 of the source named ``code`` (a data
+    directory of one unnamed source keeps the plain names)."""
+    return f"shard-{i:05d}" if source is None else f"{source}.shard-{i:05d}"
 
 
-def stats_path(out: str | os.PathLike[str], i: int) -> Path:
+def stats_path(out: str | os.PathLike[str], i: int, source: str | None = None) -> Path:
     """Where shard ``i``'s stats (completion marker) live."""
-    return Path(out) / "shards" / f"{shard_name(i)}.stats.json"
+    return Path(out) / "shards" / f"{shard_name(i, source)}.stats.json"
 
 
-def shard_path(out: str | os.PathLike[str], split: str, i: int) -> Path:
+def shard_path(out: str | os.PathLike[str], split: str, i: int, source: str | None = None) -> Path:
     """Where shard ``i`` of ``split`` lives."""
-    return Path(out) / "shards" / split / f"{shard_name(i)}.arrow"
+    return Path(out) / "shards" / split / f"{shard_name(i, source)}.arrow"
+
+
+def check_source_name(source: str | None) -> None:
+    """A source name becomes part of file names: the config's pattern, checked here too."""
+    from pipeline.config import SOURCE_NAME_RE
+
+    if source is not None and not SOURCE_NAME_RE.fullmatch(source):
+        raise PipelineError(
+            f"--source-name {source!r} must match {SOURCE_NAME_RE.pattern} (letters, digits, "
+            "'_', '.', '-')"
+        )
 
 
 def schema(seq_len: int) -> pa.Schema:
@@ -258,9 +270,11 @@ def _options(
     }
 
 
-def _complete(out: Path, shard: int, options: dict, sources: list[dict]) -> dict | None:
+def _complete(
+    out: Path, shard: int, options: dict, sources: list[dict], source: str | None
+) -> dict | None:
     """The stats of shard ``shard`` if it is complete for these options and inputs."""
-    sp = stats_path(out, shard)
+    sp = stats_path(out, shard, source)
     if not sp.is_file():
         return None
     try:
@@ -295,13 +309,17 @@ def tokenize_shard(
     fast: bool = True,
     num_threads: int | None = None,
     progress: bool = True,
+    source: str | None = None,
 ) -> dict:
     """Tokenize shard ``shard`` of ``shards`` into ``out``; returns its stats.
 
-    Skips the work (returning the existing stats) when the shard is already complete for the
-    same inputs and options and its files match their checksums.
+    ``source`` names the data source these inputs are (``data.sources[].name``): its shards get
+    their own files (:func:`shard_name`) and the gather step counts them apart. Skips the work
+    (returning the existing stats) when the shard is already complete for the same inputs and
+    options and its files match their checksums.
     """
     _check_args(seq_len, shards, shard, val_fraction)
+    check_source_name(source)
     if num_threads is not None and num_threads < 1:
         raise PipelineError(f"--threads {num_threads} must be at least 1")
     info = tokenizer_info(tokenizer, bos=bos)
@@ -310,11 +328,13 @@ def tokenize_shard(
     check_data_out(out)
     src_list = [{"path": s.path, "bytes": s.bytes} for s in sources]
     options = _options(spec, seq_len, shards, info.fingerprint, val_fraction, bos, on_invalid)
-    done = _complete(out, shard, options, src_list)
+    done = _complete(out, shard, options, src_list, source)
     if done is not None:
-        print(f"{shard_name(shard)}: already complete, checksums match; skipping", file=sys.stderr)
+        print(f"{shard_name(shard, source)}: already complete, checksums match; skipping",
+              file=sys.stderr)
         return done
-    stats_path(out, shard).unlink(missing_ok=True)  # a stale marker must not outlive a rewrite
+    # A stale marker must not outlive a rewrite.
+    stats_path(out, shard, source).unlink(missing_ok=True)
 
     tasks = plan(sources, shards, shard)
     reader = DocReader(spec, on_invalid=on_invalid)
@@ -324,12 +344,12 @@ def tokenize_shard(
     try:
         split_stats, encoder_name = _write_splits(
             reader, tasks, info, out, shard, seq_len, val_fraction,
-            fast=fast, num_threads=num_threads, progress=progress,
+            fast=fast, num_threads=num_threads, progress=progress, source=source,
         )
         docs = sum(s["documents"] for s in split_stats.values())
         if docs == 0 and shards == 1:
             for split in SPLITS:
-                shard_path(out, split, shard).unlink(missing_ok=True)
+                shard_path(out, split, shard, source).unlink(missing_ok=True)
             raise PipelineError(
                 f"the corpus has no usable documents (skipped: {reader.describe_skipped()}): "
                 "check --input, --format, --text-field and --doc-split"
@@ -344,6 +364,7 @@ def tokenize_shard(
     stats = {
         "format": FORMAT,
         "shard": shard,
+        **({} if source is None else {"source": source}),
         "options": options,
         "splits": split_stats,
         "skipped": reader.skipped,
@@ -362,7 +383,7 @@ def tokenize_shard(
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(total_tokens / elapsed, 1) if elapsed > 0 else None,
     }
-    sp = stats_path(out, shard)
+    sp = stats_path(out, shard, source)
     tmp = sp.with_name(f"{sp.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(stats) + "\n")
     os.replace(tmp, sp)
@@ -392,6 +413,7 @@ def _write_splits(
     fast: bool,
     num_threads: int | None,
     progress: bool,
+    source: str | None = None,
 ) -> tuple[dict[str, dict], str]:
     """Encode the shard's documents into its train and validation files: (stats of each split,
     name of the encoder that wrote them). A failure removes the partial files."""
@@ -402,13 +424,13 @@ def _write_splits(
     try:
         for split in SPLITS:
             writers[split] = _SplitWriter(
-                shard_path(out, split, shard), seq_len, info.eos_id, info.bos_id
+                shard_path(out, split, shard, source), seq_len, info.eos_id, info.bos_id
             )
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(
-                desc=shard_name(shard),
+                desc=shard_name(shard, source),
                 unit="tok",
                 unit_scale=True,
                 mininterval=1.0 if sys.stderr.isatty() else 30.0,
@@ -424,7 +446,7 @@ def _write_splits(
             bar.close()
         encoder.close()
     for split in SPLITS:
-        split_stats[split]["path"] = str(shard_path(out, split, shard).relative_to(out))
+        split_stats[split]["path"] = str(shard_path(out, split, shard, source).relative_to(out))
     return split_stats, encoder.name
 
 
