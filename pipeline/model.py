@@ -89,28 +89,114 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def flops_per_token(n_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12·L·H·T (PaLM, Chowdhery et al. 2022, appendix B)."""
-    return 6.0 * n_params + 12.0 * num_layers * hidden * seq_len
+def flops_per_token(n_params: int, num_layers: int, num_heads: int, head_dim: int,
+                    seq_len: int) -> float:
+    """Model FLOPs of training per token (forward and backward): ``6·N + 12·L·H·Q·T``.
+
+    PaLM (Chowdhery et al. 2022, appendix B, "model FLOPs utilization"): each parameter of a
+    matmul costs 2 FLOPs forward and 4 backward (6·N); attention adds, per layer, the scores
+    ``q·Kᵀ`` and the weighted sum over ``V``, 2·H·Q·T each forward, ×3 for training (12·L·H·Q·T;
+    L layers, H query heads of dimension Q, T tokens of context). Causal masking is not
+    subtracted and recomputation (activation checkpointing, flash attention's backward) is not
+    added: MFU counts the model's FLOPs, not the hardware's.
+
+    ``n_params`` is the parameters used in a matmul per token (:func:`matmul_params`): all
+    but the input embedding table, which is a lookup. torchtitan computes the same
+    (``torchtitan/models/utils.py``, ``get_dense_model_nparams_and_flops``:
+    ``6·(nparams − nparams_embedding) + 6·L·H·head_dims·T`` with ``head_dims = 2·Q``, the q·k
+    and v head dimensions). Megatron-LM's per-iteration count (Narayanan et al. 2021, appendix:
+    ``96·B·T·L·h²·(1 + T/(6h) + V/(16·L·h))`` with full recomputation, i.e. four passes; three
+    without it: ``72·B·T·L·h²·(1 + T/(6h) + V/(12·L·h))``) is the same sum for a GPT layer
+    (4h MLP), short only of the norms' weights. tests/test_mfu.py checks all three.
+    """
+    return 6.0 * n_params + 12.0 * num_layers * num_heads * head_dim * seq_len
 
 
-#: Dense bf16 peak FLOP/s per GPU (vendor datasheets), for MFU. CPU runs report MFU as null.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-    "V100": 125e12,
-}
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters of ``model`` that enter a matmul for every token: all of them (each counted
+    once) except input embedding tables, a lookup; a table shared with the LM head (tied
+    embeddings) is counted, as the head's matmul (torchtitan's
+    ``get_nparams_and_active_nparams`` rule)."""
+    head = getattr(model, "lm_head", None)
+    head_ids = {id(p) for p in head.parameters()} if isinstance(head, torch.nn.Module) else set()
+    lookup = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+              for p in m.parameters(recurse=False) if id(p) not in head_ids}
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookup)
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s of the device, or None when unknown (e.g. CPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """:func:`flops_per_token` of an HF decoder model (its config's layers, heads and head
+    dimension) at ``seq_len`` tokens of context."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return flops_per_token(matmul_params(model), cfg.num_hidden_layers,
+                           cfg.num_attention_heads, head_dim, seq_len)
+
+
+#: Dense peak FLOP/s per device (no 2:4 sparsity: the datasheets' starred figures halved), by
+#: the matmul dtype: bf16/fp16 (tensor/matrix cores), tf32 (fp32 matmuls when
+#: ``torch.get_float32_matmul_precision()`` is not "highest"), fp32 (otherwise; AMD's figure is
+#: the matrix-core FP32 one, which rocBLAS uses). First match of the pattern (lowercase device
+#: name, ``torch.cuda.get_device_name``) wins: variants before their family. Sources, vendor
+#: datasheets: NVIDIA A100 (nvidia.com/en-us/data-center/a100), H100 SXM/PCIe/NVL
+#: (…/h100), H200 SXM/NVL (…/h200), HGX B200 (the Blackwell datasheet's HGX B200 column,
+#: 1000 W), L40S, L4, A10, V100; AMD Instinct MI250X/MI250, MI300X, MI325X (amd.com
+#: product pages' "peak" tables). A dtype a device lacks (V100 bf16, MI250X tf32) is absent.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"\bh100\b.*\bnvl\b", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (r"\bh100\b.*\bpcie\b", {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"\bh100\b", {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12}),
+    (r"\bh200\b.*\bnvl\b", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (r"\bh200\b", {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12}),
+    (r"\bb200\b", {"bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12}),
+    (r"\ba100\b", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"\ba10\b", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"\bl40s\b", {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bl4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"\bv100\b.*\bpcie\b", {"fp16": 112e12, "fp32": 14e12}),
+    (r"\bv100\b", {"fp16": 125e12, "fp32": 15.7e12}),
+    (r"\bmi325x\b", {"bf16": 1307.4e12, "fp16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12}),
+    (r"\bmi300x\b", {"bf16": 1307.4e12, "fp16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12}),
+    (r"\bmi250x\b", {"bf16": 383e12, "fp16": 383e12, "fp32": 95.7e12}),
+    (r"\bmi250\b", {"bf16": 362.1e12, "fp16": 362.1e12, "fp32": 90.5e12}),
+]
+
+
+def peak_flops_of(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of the device called ``device_name`` for ``dtype`` matmuls, or None
+    when the table has no figure for it."""
+    import re
+
+    name = device_name.lower()
+    for pattern, figures in PEAK_FLOPS:
+        if re.search(pattern, name):
+            return figures.get(dtype)
     return None
+
+
+def matmul_dtype(precision: str) -> str:
+    """The dtype a run's matmuls use (``train.precision``): fp32 runs on tensor cores as tf32
+    only when torch is told to (``torch.set_float32_matmul_precision``)."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def device_peak_flops(device: torch.device, precision: str = "bf16") -> tuple[float | None, str]:
+    """(peak FLOP/s, what it is) of ``device`` for a run of ``precision``, or (None, why there
+    is none): MFU is then reported as null with that reason."""
+    dtype = matmul_dtype(precision)
+    if device.type != "cuda":
+        return None, (f"no MFU on {device.type}: a CPU has no peak FLOP/s in the table "
+                      "(its peak depends on the model's cores, clock and vector units)")
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops_of(name, dtype)
+    if peak is None:
+        return None, (f"no MFU: no dense {dtype} peak FLOP/s for {name!r} in "
+                      "pipeline.model.PEAK_FLOPS (add its datasheet figure)")
+    return peak, f"{name}, dense {dtype}: {peak / 1e12:g} TFLOP/s"
+
+
+def peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    """Peak FLOP/s of the device for ``precision``, or None when unknown (e.g. CPU)."""
+    return device_peak_flops(device, precision)[0]

@@ -46,7 +46,7 @@ from pipeline.config_files import load_run_config
 from pipeline.distenv import RankEnv
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
-from pipeline.model import build_model, flops_per_token, peak_flops
+from pipeline.model import build_model, device_peak_flops, model_flops_per_token
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims
 from pipeline.train.watchdog import Heartbeat
 
@@ -210,8 +210,7 @@ class Trainer:
         model = build_model(self.run.model, vocab_size=tok["vocab_size"], eos_id=tok["eos_id"],
                             bos_id=tok.get("bos_id"), seed=t.seed)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops_per_token = flops_per_token(self.n_params, self.run.model.num_layers,
-                                               self.run.model.hidden_size, self.run.data.seq_len)
+        self.flops_per_token = model_flops_per_token(model, self.run.data.seq_len)
         self.engine = self._build_engine(model)
         tp_rank, pp_rank = env.rank % self.dims.tp, env.rank // (self.dims.world // self.dims.pp)
         self.reports_loss = tp_rank == 0 and pp_rank == self.dims.pp - 1
@@ -234,7 +233,9 @@ class Trainer:
         if t.record_samples:
             self.samples = (self.run_dir / f"samples-rank{env.rank:05d}.jsonl").open(
                 "a", buffering=1)
-        self.peak_flops = peak_flops(self.device)
+        self.peak_flops, why = device_peak_flops(self.device, t.precision)
+        if self.peak_flops is None:  # metrics carry mfu: null; this says why, once per attempt
+            self.rec.event("mfu", mfu=None, reason=why)
         self.tokens_per_step = self.run.global_batch_size * self.run.data.seq_len
 
     def _check_layout(self) -> None:
