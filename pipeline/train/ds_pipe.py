@@ -137,7 +137,7 @@ def pipeline_logits(engine: Any, input_ids: torch.Tensor, vocab_size: int) -> to
                                    reduce_output=None, bcast_loss=False, num_micro_batches=1)
     finally:
         engine.reset_activation_shape()
-    src = engine.grid._topo.get_rank(pipe=engine.num_stages - 1, data=0)
+    src = engine.module.topology().get_rank(pipe=engine.num_stages - 1, data=0)
     if dist.get_rank() == src:
         logits = out.float().contiguous()
     else:
