@@ -1,0 +1,96 @@
+"""The config's building blocks: value sets (one ``Literal`` per choice), limits, and the strict
+base class every config section derives from. :mod:`pipeline.config` re-exports all of it;
+import from there."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+#: Run names become directory names and Slurm job names: keep them boring. Matched with
+#: ``fullmatch`` (``$`` alone would let a trailing newline through).
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+#: Sane maxima. Beyond them a value is a typo or an attack, not an experiment: the planner, the
+#: tokenizer and the launcher allocate or iterate in proportion to these numbers.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 1024
+MAX_SEQ_LEN = 1 << 20
+
+# The value sets of the config's choices, defined once: the planner (pipeline.plan.spec), the
+# stage CLIs and the readers take them from here.
+SourceFormat = Literal["auto", "txt", "jsonl", "parquet", "arrow"]
+DocSplit = Literal["file", "blank-line"]
+OnInvalid = Literal["skip", "fail"]
+Device = Literal["auto", "cpu", "cuda"]
+Backend = Literal["fsdp", "deepspeed", "ddp"]
+FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+StrategyMode = Literal["manual", "auto"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Accounting = Literal["deepspeed", "paper"]
+AttnImplementation = Literal["eager", "sdpa"]
+PipelineSchedule = Literal["gpipe", "1f1b"]
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+OnExhausted = Literal["repeat", "stop"]
+#: A data source's name: a key of ``train.mixture``, part of shard file names.
+SOURCE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("a path must not contain a NUL character")
+    return value
+
+
+#: A file-system path in a config: not empty, no NUL byte.
+PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
+#: An Adam beta: a decay rate in [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+#: Field types that a boolean must not stand in for.
+_NUMBERS = (int, float, int | None, float | None)
+
+
+class _Strict(BaseModel):
+    # extra="forbid": an unknown key is an error, not silently ignored.
+    # use_attribute_docstrings: the docstring under each field becomes its schema description.
+    # allow_inf_nan=False: .inf / .nan / Infinity are refused in every float field.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # Lax mode reads true/false as 1/0 (`lr: true` would train at lr 1): a typo, not a number.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+
+def format_errors(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = where + ".".join(str(p) for p in e["loc"]) if e["loc"] else where.rstrip(".")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check its spelling against config/schema.json)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {path or '<top level>'}: {msg}" + _got(e))
+    return "\n".join(lines)
+
+
+def _got(e: dict[str, Any]) -> str:
+    if e["type"] in ("extra_forbidden", "missing") or isinstance(e.get("input"), dict):
+        return ""
+    return f" (got {e.get('input')!r})"
