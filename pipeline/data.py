@@ -215,9 +215,11 @@ class PackedDataset:
         return out
 
 
-#: Steps of rows the loader gathers at once, and the most bytes (int64) it holds ahead.
-PREFETCH_STEPS = 64
-PREFETCH_BYTES = 8 << 20
+#: Steps of rows the loader gathers at once, and the most bytes (int64) it holds ahead: enough
+#: to amortise the per-step overhead, small enough to stay in cache (8 MB buffers measured
+#: slower than gathering each step: every fresh buffer's pages fault in).
+PREFETCH_STEPS = 16
+PREFETCH_BYTES = 2 << 20
 class BatchLoader:
     """Deterministic, resumable micro batches for one data-parallel rank (see module doc).
 
