@@ -31,6 +31,7 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
+from pipeline.train.compile import compile_decoder_layers
 from pipeline.train.engines import StepResult, adamw_with_schedule
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,6 +67,7 @@ class DDPEngine:
         if t.activation_checkpointing:
             checkpoint_decoder_layers(model)
         model.to(device)
+        compile_decoder_layers(model, run, device)  # train.compile: after AC, before DDP
         self.device = device
         self.module = model
         # gradient_as_bucket_view: the gradients live in the all-reduce buckets (no second copy).

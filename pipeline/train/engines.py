@@ -17,6 +17,7 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
+from pipeline.train.compile import compile_decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -117,6 +118,7 @@ class FSDPEngine:
         )
         # SHARD_GRAD_OP (ZeRO-2-like) keeps parameters gathered between forward and backward.
         reshard = t.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
+        compile_decoder_layers(model, run, device)  # train.compile: after TP/AC, before FSDP
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -211,6 +213,7 @@ class DeepSpeedEngine:
         t = run.train
         self.pp = t.pp
         self.vocab_size = model.config.vocab_size
+        compile_decoder_layers(model, run)  # train.compile: before DeepSpeed's hooks
         if t.pp > 1:
             from pipeline.train.ds_pipe import pipeline_module
 

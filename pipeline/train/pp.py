@@ -34,6 +34,7 @@ from torch import nn
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
 from pipeline.plan.topology import stage_layers
+from pipeline.train.compile import compile_decoder_layers
 from pipeline.train.engines import (
     FSDPEngine,
     StepResult,
@@ -127,6 +128,7 @@ class PipelineEngine(FSDPEngine):
               if t.precision == "bf16" else MixedPrecisionPolicy())
         reshard = t.fsdp_sharding in ("FULL_SHARD", "HYBRID_SHARD")
         dp_mesh = fsdp_mesh(mesh)
+        compile_decoder_layers(model, run, device, layers=owned)  # after TP/AC, before FSDP
         for layer in owned:
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
