@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -46,6 +47,10 @@ from pipeline.sbatch import SUBMISSION_FILE, Submission, render_submission
 from pipeline.train.node import NodeTask
 
 log = logging.getLogger("pipeline.train.launch")
+
+#: How long a COMPLETED job's train.done may take to become visible here (NFS caches
+#: attributes for up to 60 s by default: acregmax/acdirmax).
+DONE_VISIBLE_S = 60.0
 
 
 class ArgvSlurmExecutor(submitit.SlurmExecutor):
@@ -196,9 +201,17 @@ def _check_restarts(run_dir: Path, job_id: str, max_restarts: int) -> None:
 def _ended(run_dir: Path, rec: dict[str, Any], state: str) -> dict[str, Any]:
     """The job left the queue in ``state``: train.done's content, or why not."""
     job_id = rec["job_id"]
+    giveups = [e for e in read_events(run_dir, "launch.giveup") if e.get("job_id") == job_id]
+    if state in ("COMPLETED", "UNKNOWN") and not giveups and not (run_dir / STOPPED).exists():
+        # On NFS the login node may see the job end before it sees the file the job wrote
+        # last (attribute caching): wait a little rather than fail a run that finished, which
+        # a rerun would then train a second time.
+        deadline = time.monotonic() + DONE_VISIBLE_S
+        while not (run_dir / TRAIN_DONE).exists() and time.monotonic() < deadline:
+            os.listdir(run_dir)  # a readdir refreshes an NFS client's view of the folder
+            time.sleep(1.0)
     if state in ("COMPLETED", "UNKNOWN") and (run_dir / TRAIN_DONE).exists():
         return read_train_done(run_dir)
-    giveups = [e for e in read_events(run_dir, "launch.giveup") if e.get("job_id") == job_id]
     ckpt = latest_checkpoint_name(run_dir)
     if giveups:
         g = giveups[-1]
