@@ -28,6 +28,7 @@ include: "workflow/rules/render.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/consolidate.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 localrules:
@@ -36,8 +37,10 @@ localrules:
     gather,
     render,
     train,
+    report,
 
 
 rule all:
     input:
         expand("results/runs/{run}/eval/metrics.json", run=RUNS),
+        "results/report.html",

@@ -122,6 +122,8 @@ def test_evaluation_perplexity_is_finite_and_well_below_vocab(dag, run):
     assert math.isfinite(m["perplexity"])
     assert m["perplexity"] < m["vocab_size"] / 4, m["perplexity"]
     assert (dag / "results" / "runs" / run / "eval" / "loss.png").stat().st_size > 10_000
+    # The batch page (rule report) lists the run (its browser test: tests/test_report_html.py).
+    assert f'<tr data-run="{run}">' in (dag / "results" / "report.html").read_text()
     steps = [json.loads(x)["step"] for x in (dag / "results" / "runs" / run / "metrics.jsonl").open()]
     assert steps == list(range(1, 61))
     # The lm-eval harness (in the test extra) ran the built-in held-out task on the HF model.
@@ -152,7 +154,7 @@ def test_deleting_evaluation_reruns_only_evaluate(dag):
     done = dag / "results" / "runs" / "fsdp" / "train.done"
     before = done.stat().st_mtime_ns
     metrics.unlink()
-    assert planned_jobs(dag) == {"evaluate": 1, "all": 1}
+    assert planned_jobs(dag) == {"evaluate": 1, "report": 1, "all": 1}
     res = snakemake(dag)
     assert res.returncode == 0, res.stderr
     assert metrics.is_file()
@@ -163,7 +165,8 @@ def test_changing_one_runs_lr_retrains_only_that_run(dag):
     cfg = yaml.safe_load((dag / "config.yaml").read_text())
     cfg["runs"]["ds"] = {"train": {"backend": "deepspeed", "zero_stage": 2, "lr": 1e-3}}
     (dag / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(dag) == {"render": 1, "train": 1, "consolidate": 1, "evaluate": 1, "all": 1}
+    assert planned_jobs(dag) == {"render": 1, "train": 1, "consolidate": 1, "evaluate": 1,
+                                 "report": 1, "all": 1}
     manifest = dag / "results" / "data" / "manifest.json"
     fsdp_done = dag / "results" / "runs" / "fsdp" / "train.done"
     stamps = (manifest.stat().st_mtime_ns, fsdp_done.stat().st_mtime_ns)

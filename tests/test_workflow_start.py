@@ -58,7 +58,8 @@ def test_dry_run_lists_all_five_stages(tmp_path):
     cfg = write_config(tmp_path, lambda c: None)
     res = snakemake(tmp_path, "--configfile", str(cfg), "-n")
     assert res.returncode == 0, res.stderr
-    for rule in ("tokenize_shard", "gather", "render", "train", "consolidate", "evaluate"):
+    for rule in ("tokenize_shard", "gather", "render", "train", "consolidate", "evaluate",
+                 "report"):
         assert f"rule {rule}:" in res.stdout + res.stderr, rule
 
 

@@ -9,7 +9,7 @@
 set -euo pipefail
 
 skip() {
-    echo "tests/cluster/install.sh: not installing ${need[*]}: $1; the Slurm tests will skip" >&2
+    echo "tests/cluster/install.sh: not installing ${need[*]}: $1; the Slurm tests will skip (chromium: the batch report's browser test)" >&2
     exit 0
 }
 
@@ -22,9 +22,12 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 { command -v nsenter && command -v unshare; } >/dev/null 2>&1 || need+=(util-linux)
 # hostname sets each node's own UTS name.
 command -v hostname >/dev/null 2>&1 || need+=(hostname)
+# Not for Slurm: the batch report's browser test (tests/test_report_html.py) opens the page in
+# Debian's headless chromium.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 
 if [ "${#need[@]}" -eq 0 ]; then
-    echo "tests/cluster/install.sh: slurm-wlm, munge, iproute2 already installed"
+    echo "tests/cluster/install.sh: slurm-wlm, munge, iproute2, chromium already installed"
     exit 0
 fi
 

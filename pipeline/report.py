@@ -1,0 +1,214 @@
+"""One page for a batch of runs: ``results/report.html``.
+
+``python -m pipeline.report --results results --run fsdp --run deepspeed --out
+results/report.html`` reads each run's files (``metrics.jsonl``, ``events.jsonl``,
+``config.json``, ``eval/metrics.json``; never a model) and writes one self-contained HTML page:
+
+* every run's training loss against tokens seen, overlaid (one PNG, embedded), with each run's
+  validation loss as a point at its last step;
+* a table: validation loss, perplexity, bits per byte, lm-eval scores (one column per task and
+  metric any run has), median tokens/s, goodput (``pipeline.goodput``), GPU-hours (processes ×
+  the wall time of the run's attempts) and the steps and tokens trained;
+* each run linked to its own report (``runs/<run>/eval/report.md``) and its plots
+  (``runs/<run>/eval/loss.png``), by paths relative to the page.
+
+Pure and torch-free (the login node can run it); values from the files are escaped (a run
+name or lm-eval task is data, never markup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline import artifacts as af
+from pipeline.errors import PipelineError
+from pipeline.goodput import goodput
+from pipeline.io import write_text_atomic
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl with one record per step (the last: a resumed run repeats some)."""
+    by_step = {r["step"]: r for r in records if type(r.get("step")) is int}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """What the page shows of one run, from its files (missing files leave fields None)."""
+    metrics = _last_per_step(af.read_metrics(run_dir))
+    ev = af.read_json_or_none(run_dir / af.EVAL_DIR / af.EVAL_METRICS) or {}
+    cfg = af.read_json_or_none(run_dir / af.RUN_CONFIG) or {}
+    cluster, train = cfg.get("cluster") or {}, cfg.get("train") or {}
+    world = (cluster.get("nodes") or 1) * (cluster.get("gpus_per_node") or 1)
+    gp = goodput(run_dir)
+    # Device time: every process for the wall time of every attempt (queue waits excluded).
+    wall = sum((a["end"] or a["begin"]) - a["begin"] for a in gp["attempts"])
+    tps = [r["tokens_per_s"] for r in metrics if _num(r.get("tokens_per_s"))]
+    lm = ((ev.get("lm_eval") or {}).get("results")) or {}
+    return {
+        "run": run_dir.name,
+        "backend": train.get("backend"),
+        "world": world,
+        "steps": metrics[-1]["step"] if metrics else None,
+        "tokens": metrics[-1].get("tokens_seen") if metrics else None,
+        "curve": [(r["tokens_seen"], r["loss"]) for r in metrics
+                  if _num(r.get("tokens_seen")) and _num(r.get("loss"))],
+        "train_loss": next((r["loss"] for r in reversed(metrics) if _num(r.get("loss"))), None),
+        "val_loss": ev.get("loss"),
+        "perplexity": ev.get("perplexity"),
+        "bits_per_byte": ev.get("bits_per_byte"),
+        "lm_eval": {(task, key): v for task, r in lm.items() if isinstance(r, dict)
+                    for key, v in r.items() if _num(v) and not key.endswith("_stderr")
+                    and "stderr" not in key},
+        "tokens_per_s": statistics.median(tps) if tps else None,
+        "goodput": gp["goodput"],
+        "gpu_hours": world * wall / 3600 if gp["attempts"] else None,
+        "report": (run_dir / af.EVAL_DIR / "report.md").is_file(),
+        "plot": (run_dir / af.EVAL_DIR / "loss.png").is_file(),
+    }
+
+
+def loss_plot_png(runs: list[dict[str, Any]]) -> bytes:
+    """All runs' training loss against tokens, overlaid (validation loss as a point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for i, r in enumerate(runs):
+        color = f"C{i % 10}"
+        if r["curve"]:
+            xs, ys = zip(*r["curve"], strict=True)
+            ax.plot(xs, ys, color=color, label=r["run"], linewidth=1.2)
+            if _num(r["val_loss"]):
+                ax.scatter([xs[-1]], [r["val_loss"]], color=color, marker="o", zorder=3)
+    ax.set(xlabel="tokens seen", ylabel="training loss",
+           title="training loss (points: validation loss of the final model)")
+    ax.grid(alpha=0.3)
+    if any(r["curve"] for r in runs):
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return format(v, spec) if _num(v) else "–"
+
+
+def _link(page: Path, target: Path) -> str:
+    """``target`` relative to the page's folder, URL-quoted (the page can be moved with its
+    results folder)."""
+    from urllib.parse import quote
+
+    return quote(os.path.relpath(target, page.parent).replace(os.sep, "/"))
+
+
+def render_html(runs: list[dict[str, Any]], run_dirs: list[Path], page: Path) -> str:
+    """The page (see the module docstring)."""
+    e = html.escape
+    lm_cols = sorted({k for r in runs for k in r["lm_eval"]})
+    head = ["run", "engine", "processes", "steps", "tokens", "train loss", "val loss",
+            "perplexity", "bits/byte", *[f"{t} {m}" for t, m in lm_cols], "tokens/s",
+            "goodput", "GPU-hours", "plots"]
+    rows = []
+    for r, d in zip(runs, run_dirs, strict=True):
+        name = e(r["run"])
+        if r["report"]:
+            name = f'<a href="{_link(page, d / af.EVAL_DIR / "report.md")}">{name}</a>'
+        thumb = (f'<img class="thumb" alt="{e(r["run"])} training curves" '
+                 f'src="{_link(page, d / af.EVAL_DIR / "loss.png")}">' if r["plot"] else "–")
+        cells = [name, e(str(r["backend"] or "–")), _fmt(r["world"], "d"), _fmt(r["steps"], "d"),
+                 _fmt(r["tokens"], ",d"), _fmt(r["train_loss"], ".4f"), _fmt(r["val_loss"], ".4f"),
+                 _fmt(r["perplexity"], ".2f"), _fmt(r["bits_per_byte"], ".3f"),
+                 *[_fmt(r["lm_eval"].get(k), ".4f") for k in lm_cols],
+                 _fmt(r["tokens_per_s"], ",.0f"),
+                 "–" if r["goodput"] is None else f"{100 * r['goodput']:.1f} %",
+                 _fmt(r["gpu_hours"], ".4f"), thumb]
+        rows.append(f'<tr data-run="{e(r["run"])}">' + "".join(f"<td>{c}</td>" for c in cells)
+                    + "</tr>")
+    png = base64.b64encode(loss_plot_png(runs)).decode()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>zerosnake batch report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin-top: 1em; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
+th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left; }}
+img.thumb {{ height: 60px; }}
+</style></head>
+<body>
+<h1>zerosnake: {len(runs)} runs</h1>
+<p>Generated {e(stamp)}. Losses are per token of this batch's tokenizer; bits per byte compare
+across tokenizers. Goodput: productive step time / wall time of the training (pipeline.goodput).
+GPU-hours: processes × the wall time of every attempt.</p>
+<img id="loss-curves" alt="training loss against tokens, all runs" src="data:image/png;base64,{png}">
+<table id="runs">
+<thead><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr></thead>
+<tbody>
+{chr(10).join(rows)}
+</tbody></table>
+</body></html>
+"""
+
+
+def write_report(results: Path, runs: list[str], out: Path) -> Path:
+    """Read each run of ``runs`` under ``results/runs`` and write the page to ``out``."""
+    dirs = [results / "runs" / r for r in runs]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise PipelineError(f"no run folder {', '.join(missing)}: name runs under "
+                            f"{results / 'runs'} (--run NAME)")
+    summaries = [run_summary(d) for d in dirs]
+    write_text_atomic(out, render_html(summaries, dirs, out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.report",
+        description="One HTML page comparing a batch of runs: loss curves, evaluation, "
+                    "throughput, goodput, GPU-hours.")
+    p.add_argument("--results", type=Path, default=Path("results"), help="the results folder")
+    p.add_argument("--run", action="append", dest="runs", default=None,
+                   help="a run name (repeatable; default: every folder in RESULTS/runs)")
+    p.add_argument("--out", type=Path, default=None, help="default: RESULTS/report.html")
+    args = p.parse_args(argv)
+    runs = args.runs
+    if runs is None:
+        root = args.results / "runs"
+        runs = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    try:
+        if not runs:
+            raise PipelineError(f"no runs under {args.results / 'runs'}: train some first")
+        out = write_report(args.results, runs, args.out or args.results / "report.html")
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return af.EXIT_USAGE
+    except OSError as err:
+        print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
