@@ -296,7 +296,8 @@ class TrainConfig(_Strict):
     overflow."""
     compile: bool = False
     """Compile each decoder layer with ``torch.compile`` (torchtitan's approach: per layer, in
-    place, so parameter names and checkpoints are unchanged)."""
+    place, so parameter names and checkpoints are unchanged). Every engine and layout but
+    DeepSpeed ZeRO-3; on CPU Inductor needs a C++ compiler (``CXX``, default g++)."""
     trackers: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers that receive every metric, the evaluation results and the run config
     (``mlflow`` and ``wandb`` are optional extras: ``pip install -e '.[trackers]'``)."""
@@ -357,6 +358,11 @@ class TrainConfig(_Strict):
             )
         if self.deepspeed and self.backend != "deepspeed":
             raise ValueError("train.deepspeed: extra DeepSpeed keys need train.backend: deepspeed")
+        if self.compile and self.backend == "deepspeed" and self.zero_stage == 3:
+            raise ValueError(
+                "train.compile with ZeRO-3: DeepSpeed gathers each submodule's parameters in a "
+                "forward hook torch.compile cannot trace; use train.zero_stage <= 2, backend fsdp "
+                "(FULL_SHARD shards like ZeRO-3) or train.compile: false")
         if self.tp > 1 or self.pp > 1:
             self._check_model_parallel()
         return self

@@ -116,3 +116,16 @@ def test_no_cxx_compiler_is_a_clear_error(runs, data_dir):
     assert errors == [errors[0]] and "train.compile on CPU needs a C++ compiler" in errors[0]
     assert "no-such-c++" in errors[0] and "Traceback" not in res.stderr
     assert not (dirs["nocxx"] / "metrics.jsonl").exists()  # stopped before its first step
+
+
+def test_zero3_is_refused_before_anything_runs(tmp_path):
+    # DeepSpeed's ZeRO-3 parameter gathering is a forward hook torch.compile cannot trace (seen:
+    # fullgraph fails on DeepSpeedZeRoOffload's _pre_forward_module_hook): the config says so.
+    cfg = {**BASE, "train": {**TRAIN, "backend": "deepspeed", "zero_stage": 3, "compile": True},
+           "runs": {"z3": {}}}
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run([PY, "-m", "pipeline.config", "check", str(tmp_path / "my.yaml")],
+                         cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "train.compile with ZeRO-3" in res.stderr and "Traceback" not in res.stderr
