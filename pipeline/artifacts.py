@@ -48,6 +48,9 @@ LAUNCH = "launch.json"  # render: the launch command and the sbatch submission i
 JOB = "job.json"  # train launcher: the submitted job (reattach reads it)
 EVENTS = "events.jsonl"  # train: launcher and rank-0 events, one JSON object per line
 METRICS = "metrics.jsonl"  # train: one JSON object per optimizer step
+TRACKERS = "trackers.json"  # train → evaluate: the experiment trackers' run ids (one run per run dir)
+TB_DIR = "tb"  # train, evaluate: TensorBoard event files
+WANDB_DIR = "wandb"  # train, evaluate: W&B's local files (offline runs), unless WANDB_DIR is set
 TRAIN_DONE = "train.done"  # train: written last when training finished (the rule's output)
 STOPPED = "stopped.json"  # train: rank 0 stopped at a checkpoint on request
 STOP = "STOP"  # launcher → ranks: stop at the next agreed step and save
@@ -71,7 +74,7 @@ EVAL_METRICS = "metrics.json"
 RUN_DIR_NAMES = frozenset({
     RUN_CONFIG, DS_CONFIG, FSDP_CONFIG, TOPOLOGY, PLAN_MD, PLAN_JSON, LAUNCH, JOB, EVENTS,
     METRICS, TRAIN_DONE, STOPPED, STOP, LOCK, PROBE_LOGITS, CHECKPOINTS, NODES, SUBMITIT, HF_DIR,
-    EVAL_DIR, "tb", HEARTBEAT_DIR,
+    EVAL_DIR, TB_DIR, HEARTBEAT_DIR, TRACKERS, WANDB_DIR,
 })
 
 # --- a checkpoint folder ---------------------------------------------------------------------

@@ -164,10 +164,19 @@ def write_safetensors(
 
 
 def _converted(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype]
+    tensors: Iterator[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
+    total_bytes: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in tensors:
-        yield name, t.to(dtypes[name])
+    from tqdm import tqdm
+
+    # A progress bar by bytes written, at a terminal only (disable=None: off when stderr is
+    # not a TTY, so Snakemake's and Slurm's logs stay free of carriage returns).
+    with tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="consolidate",
+              disable=None) as bar:
+        for name, t in tensors:
+            t = t.to(dtypes[name])
+            bar.update(t.nbytes)
+            yield name, t
 
 
 def consolidate(
@@ -260,7 +269,10 @@ def _consolidate(ckpt: Path, run_dir: Path, data_dir: Path, out: Path, *, dtype:
     }
     with af.replacing_dir(out, af.HF_PROVENANCE) as tmp:
         write_safetensors(
-            tmp, _converted(source.read(list(expected)), out_dtypes), expected, out_dtypes, cap
+            tmp,
+            _converted(source.read(list(expected)), out_dtypes,
+                       sum(math.prod(expected[k]) * out_dtypes[k].itemsize for k in expected)),
+            expected, out_dtypes, cap,
         )
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)

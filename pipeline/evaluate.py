@@ -23,7 +23,12 @@ from pipeline.goodput import format_goodput, goodput
 from pipeline.io import write_json_atomic, write_text_atomic
 
 # No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
-PROMPTS = ("def", "import", "class", "The")
+PROMPTS = ("def", "import", "class", "    for", "if __name__ ==", "The")
+#: Sampling for the report's samples: greedy decoding of a small model loops on one token
+#: (``_p_p_p_p``); a temperature below 1 with top-k shows what it learned. Seeded: a rerun
+#: of the same model gives the same samples.
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 40, "max_new_tokens": 64}
+SAMPLE_SEED = 0
 
 
 def token_byte_lengths(tokenizer: Any) -> np.ndarray:
@@ -64,7 +69,11 @@ def _perplexity(torch: Any, model: Any, sequences: np.ndarray, byte_lengths: np.
     total_loss = 0.0
     total_tokens = 0
     total_bytes = 0
-    for i in range(0, len(sequences), batch_size):
+    from tqdm import tqdm
+
+    # At a terminal only (disable=None: off when stderr is not a TTY, e.g. Snakemake's logs).
+    for i in tqdm(range(0, len(sequences), batch_size), desc="validation", unit="batch",
+                  disable=None):
         ids = torch.from_numpy(sequences[i : i + batch_size].astype(np.int64))
         logits = model(input_ids=ids).logits.float()
         loss = torch.nn.functional.cross_entropy(
@@ -284,6 +293,23 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def generate_samples(model: Any, tokenizer: Any, prompts: tuple[str, ...] = PROMPTS,
+                     seed: int = SAMPLE_SEED) -> list[dict[str, Any]]:
+    """One sample per prompt (:data:`SAMPLING`), each from the same seed: reproducible."""
+    import torch
+    from tqdm import tqdm
+
+    samples = []
+    for prompt in tqdm(prompts, desc="samples", unit="prompt", disable=None):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        torch.manual_seed(seed)
+        out_ids = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 pad_token_id=tokenizer.eos_token_id, **SAMPLING)
+        samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0],
+                                                                   skip_special_tokens=True)})
+    return samples
+
+
 def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
              lm_eval_tasks: Path | None = None, lm_eval_names: list[str] | None = None) -> dict[str, Any]:
     """Evaluate the HF model on the validation split; write metrics, plot and report (into
@@ -306,13 +332,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
             f"model's vocabulary of {vocab}: --data-dir is not the data --model was trained on"
         )
     result = perplexity(model, seqs, token_byte_lengths(tokenizer))
-    samples = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out_ids = model.generate(
-            ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
-        )
-        samples.append({"prompt": prompt, "text": tokenizer.decode(out_ids[0])})
+    samples = generate_samples(model, tokenizer)
     with af.replacing_dir(out, af.EVAL_MARKER, EVAL_FILES) as tmp:
         harness = run_lm_eval(model, tokenizer, continuation_items(tokenizer, seqs),
                               tmp / "lm_eval", lm_eval_tasks, lm_eval_names)
@@ -333,7 +353,26 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
         write_text_atomic(tmp / "report.md",
                           _report(run_dir.name, metrics, records, goodput(run_dir)))
         (tmp / af.EVAL_MARKER).write_text(json.dumps({"written_by": "evaluate"}) + "\n")
+    log_to_trackers(run_dir, metrics)
     return metrics
+
+
+def log_to_trackers(run_dir: Path, metrics: dict[str, Any]) -> None:
+    """The evaluation's figures into the tracker runs training opened (``trackers.json``):
+    ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``, ``eval/lm_eval/<task>/<metric>``
+    at the evaluated step."""
+    from pipeline.trackers import Trackers
+
+    config = af.read_json_or_none(run_dir / af.RUN_CONFIG) or {}
+    names = list((config.get("train") or {}).get("trackers") or [])
+    figures = {k: metrics.get(k) for k in ("loss", "perplexity", "bits_per_byte",
+                                           "final_train_loss")}
+    figures["lm_eval"] = (metrics.get("lm_eval") or {}).get("results") or {}
+    trackers = Trackers.for_evaluation(run_dir, names)
+    try:
+        trackers.log_eval(figures, metrics["step"])
+    finally:
+        trackers.close()
 
 
 def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]],
@@ -365,7 +404,8 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]],
     if gp is not None:
         # Where the training's wall time went (pipeline.goodput): attempts, saves, lost work.
         lines += ["## Goodput", "", format_goodput(gp), ""]
-    lines += ["## Samples (greedy)", ""]
+    lines += [f"## Samples (temperature {SAMPLING['temperature']}, top-k {SAMPLING['top_k']}, "
+              f"seed {SAMPLE_SEED})", ""]
     for sample in m["samples"]:
         lines += ["```", sample["text"], "```", ""]
     return "\n".join(lines)

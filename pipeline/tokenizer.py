@@ -265,7 +265,7 @@ def train_tokenizer(
         min_frequency=min_frequency,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),  # the library's own bars, at a terminal only
     )
     n_docs = 0
 

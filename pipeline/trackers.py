@@ -1,0 +1,286 @@
+"""Experiment trackers: TensorBoard, MLflow and Weights & Biases, one tracker run per run dir.
+
+``train.trackers`` names them. Rank 0's recorder (``pipeline.train.recorder``) logs every
+number of each ``metrics.jsonl`` record (``train/<key>`` at the record's step) and, when a
+tracker run is opened, the run's config; the evaluate stage logs its results (``eval/<key>``)
+into the same tracker runs. Shared by train and evaluate (stages do not import each other);
+torch is imported only for TensorBoard, when it is chosen.
+
+**One tracker run per run dir, across requeues.** ``trackers.json`` in the run dir
+(:data:`pipeline.artifacts.TRACKERS`) holds each tracker's run id (MLflow's run id and tracking
+URI, W&B's run id, project and folder): a requeued or resumed attempt continues that run
+(MLflow: logs to the same run id; W&B: ``resume="allow"`` with the same id). A run whose config
+changed starts over from step 0 (its old checkpoints are moved aside), so it gets new tracker
+runs: the file records the checkpoint's config hash (``pipeline.checkpoint.config_hash``).
+
+**Every step once.** A resumed attempt repeats the steps after its checkpoint. MLflow would keep
+both values of a repeated step (its history is append-only), TensorBoard draws both, and W&B
+drops a step below its current one. So each tracker logs a step only when it is beyond the
+last step it already holds: the newest step in ``metrics.jsonl`` written since the tracker run
+was opened (``since_attempt``: metrics records carry their attempt). The tracker keeps the first
+value of a repeated step, as W&B itself does; ``metrics.jsonl``'s readers keep the last (same
+loss and data: the repeat replays the same batches; only timings differ).
+
+Where the trackers write: MLflow to ``MLFLOW_TRACKING_URI`` (else a file store in
+``<results>/mlruns`` beside ``runs/``, one store for the whole batch: ``mlflow ui
+--backend-store-uri results/mlruns``), experiment ``MLFLOW_EXPERIMENT_NAME`` (else
+``zerosnake``); W&B to project ``WANDB_PROJECT`` (else ``zerosnake``), files under
+``WANDB_DIR`` (else the run dir), online unless ``WANDB_MODE=offline``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pipeline import artifacts as af
+from pipeline.errors import PipelineError
+from pipeline.io import read_json, write_json_atomic
+
+#: What ``train.trackers`` may name, and the package each needs.
+PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+DEFAULT_PROJECT = "zerosnake"
+#: MLflow's params: at most 100 per batch call, values at most 6000 characters.
+_MLFLOW_PARAMS_PER_CALL = 100
+_MLFLOW_PARAM_LEN = 6000
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def scalars(rec: dict[str, Any], prefix: str) -> dict[str, float]:
+    """The finite numbers of a (nested) record as ``prefix/key[/subkey]`` → float. Characters
+    MLflow refuses in a key (lm-eval's ``acc,none``) become ``_``."""
+    out: dict[str, float] = {}
+    for key, value in rec.items():
+        name = f"{prefix}/{re.sub(r'[^A-Za-z0-9_./ -]', '_', str(key))}"
+        if isinstance(value, dict):
+            out.update(scalars(value, name))
+        elif _number(value):
+            out[name] = float(value)
+    return out
+
+
+def flatten_config(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys → strings (MLflow params)."""
+    out: dict[str, str] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, name + "."))
+        else:
+            out[name] = str(value)[:_MLFLOW_PARAM_LEN]
+    return out
+
+
+def _need(name: str) -> None:
+    """A clear error when a chosen tracker's package is missing (a user's setting)."""
+    import importlib.util
+
+    if importlib.util.find_spec(PACKAGES[name]) is None:
+        raise PipelineError(
+            f"train.trackers names {name}, but the {PACKAGES[name]} package is not installed: "
+            f"pip install -e '.[trackers]' (or remove {name} from train.trackers)")
+
+
+class TensorBoardTracker:
+    """TensorBoard event files in ``<run_dir>/tb`` (one folder per run dir: continued as is)."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, entry: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / af.TB_DIR))
+
+    @staticmethod
+    def create(run_dir: Path, run_name: str, config: dict[str, Any]) -> dict[str, Any]:
+        return {"dir": af.TB_DIR}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflowTracker:
+    """One MLflow run, reopened by its id on every attempt (``MlflowClient``: no global state)."""
+
+    name = "mlflow"
+
+    def __init__(self, run_dir: Path, entry: dict[str, Any]) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=_mlflow_uri(entry["tracking_uri"]))
+        self.run_id = entry["run_id"]
+
+    @staticmethod
+    def create(run_dir: Path, run_name: str, config: dict[str, Any]) -> dict[str, Any]:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
+            (run_dir.resolve().parent.parent / "mlruns").as_uri())
+        client = MlflowClient(tracking_uri=_mlflow_uri(uri))
+        exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
+        exp = client.get_experiment_by_name(exp_name)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            try:
+                exp_id = client.create_experiment(exp_name)
+            except Exception:  # another run created it meanwhile (MlflowException)
+                exp_id = client.get_experiment_by_name(exp_name).experiment_id
+        run = client.create_run(exp_id, run_name=run_name, tags={"zerosnake.run_dir": str(run_dir)})
+        params = [Param(k, v) for k, v in flatten_config(config).items()]
+        for i in range(0, len(params), _MLFLOW_PARAMS_PER_CALL):
+            client.log_batch(run.info.run_id, params=params[i:i + _MLFLOW_PARAMS_PER_CALL])
+        return {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
+                                                    for k, v in metrics.items()])
+
+    def close(self) -> None:
+        # Not set_terminated: the run stays open for the next attempt and the evaluation.
+        pass
+
+
+def _mlflow_uri(uri: str) -> str:
+    """MLflow ≥ 3.7 refuses its file store unless asked for it: the store this module picks by
+    default (no server, no database) is one, so opt in for file URIs only."""
+    if uri.startswith("file:") or "://" not in uri:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return uri
+
+
+class WandbTracker:
+    """One W&B run, resumed by its id (``resume="allow"``) on every attempt; offline runs leave
+    one ``offline-run-*`` folder per attempt, all with the same id (``wandb sync`` joins them)."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, entry: dict[str, Any], config: dict[str, Any] | None = None
+                 ) -> None:
+        import wandb
+
+        folder = Path(entry.get("dir") or run_dir)  # None: the run dir, wherever it is now
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            id=entry["id"], project=entry["project"], name=entry["name"], dir=str(folder),
+            resume="allow", config=config,
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+
+    @staticmethod
+    def create(run_dir: Path, run_name: str, config: dict[str, Any]) -> dict[str, Any]:
+        return {"id": f"{run_name}-{uuid.uuid4().hex[:8]}", "name": run_name,
+                "project": os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                "dir": os.environ.get("WANDB_DIR")}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def summary(self, metrics: dict[str, float]) -> None:
+        self.run.summary.update(metrics)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+BACKENDS: dict[str, Any] = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker,
+                            "wandb": WandbTracker}
+
+
+def _last_logged(run_dir: Path, since_attempt: int) -> int:
+    """The newest step in metrics.jsonl written by attempt ``since_attempt`` or later: what a
+    tracker opened at that attempt already holds."""
+    steps = [r["step"] for r in af.read_jsonl(run_dir / af.METRICS)
+             if type(r.get("step")) is int and type(r.get("attempt")) is int
+             and r["attempt"] >= since_attempt]
+    return max(steps, default=0)
+
+
+class Trackers:
+    """The run's open trackers. :meth:`for_training` opens (or creates) them for an attempt;
+    :meth:`for_evaluation` reopens the ones training created."""
+
+    def __init__(self, run_dir: Path, opened: list[tuple[Any, int]]) -> None:
+        self.run_dir = run_dir
+        self.opened = opened  # (tracker, last step it holds)
+
+    @classmethod
+    def for_training(cls, run_dir: Path, names: list[str], config: dict[str, Any],
+                     config_hash: str, attempt: int) -> Trackers:
+        """Open each tracker of ``names`` for attempt ``attempt``: the tracker run recorded in
+        ``trackers.json`` when it was opened for this config, else a new one (recorded)."""
+        for name in names:
+            _need(name)
+        path = run_dir / af.TRACKERS
+        state = read_json(path) if path.is_file() else {}
+        if state.get("config_hash") != config_hash:
+            state = {"config_hash": config_hash, "runs": {}}
+        runs = state["runs"]
+        for name in names:
+            if name not in runs:
+                entry = BACKENDS[name].create(run_dir, run_dir.name, config)
+                runs[name] = {**entry, "since_attempt": attempt}
+        write_json_atomic(path, state)
+        opened = []
+        for name in names:
+            entry = runs[name]
+            tracker = (WandbTracker(run_dir, entry, config) if name == "wandb"
+                       else BACKENDS[name](run_dir, entry))
+            opened.append((tracker, _last_logged(run_dir, entry["since_attempt"])))
+        return cls(run_dir, opened)
+
+    @classmethod
+    def for_evaluation(cls, run_dir: Path, names: list[str]) -> Trackers:
+        """The trackers training opened for this run (those of ``names`` it recorded; none
+        when training recorded none)."""
+        path = run_dir / af.TRACKERS
+        runs = (read_json(path).get("runs") or {}) if path.is_file() else {}
+        opened = []
+        for name in names:
+            if name in runs:
+                _need(name)
+                opened.append((BACKENDS[name](run_dir, runs[name]), 0))
+        return cls(run_dir, opened)
+
+    def log_step(self, rec: dict[str, Any]) -> None:
+        """A metrics.jsonl record's numbers (``train/<key>``), to each tracker that does not
+        hold its step yet."""
+        step = rec["step"]
+        metrics = scalars({k: v for k, v in rec.items() if k not in ("step", "attempt")},
+                          "train")
+        for i, (tracker, last) in enumerate(self.opened):
+            if step > last:
+                tracker.log(metrics, step)
+                self.opened[i] = (tracker, step)
+
+    def log_eval(self, results: dict[str, Any], step: int) -> None:
+        """The evaluation's numbers (``eval/<key>``) at the evaluated step; W&B's in the run's
+        summary too (W&B refuses a step below the run's current one)."""
+        metrics = scalars(results, "eval")
+        for tracker, _ in self.opened:
+            if isinstance(tracker, WandbTracker):
+                tracker.summary(metrics)
+            else:
+                tracker.log(metrics, step)
+
+    def close(self) -> None:
+        for tracker, _ in self.opened:
+            tracker.close()
+        self.opened = []
