@@ -16,8 +16,11 @@ runs: the file records the checkpoint's config hash (``pipeline.checkpoint.confi
 **Every step once.** A resumed attempt repeats the steps after its checkpoint. MLflow would keep
 both values of a repeated step (its history is append-only), TensorBoard draws both, and W&B
 drops a step below its current one. So each tracker logs a step only when it is beyond the
-last step it already holds: the newest step in ``metrics.jsonl`` written since the tracker run
-was opened (``since_attempt``: metrics records carry their attempt). The tracker keeps the first
+last step it already holds: MLflow's own history says so; for TensorBoard and W&B (offline runs
+cannot be asked) it is the newest step in ``metrics.jsonl`` written since the tracker run was
+opened (``since_attempt``: metrics records carry their attempt). The recorder logs a step to the
+trackers before it appends it to ``metrics.jsonl``, and TensorBoard is flushed every step, so
+a step in ``metrics.jsonl`` is in every tracker even when the attempt is killed. The tracker keeps the first
 value of a repeated step, as W&B itself does; ``metrics.jsonl``'s readers keep the last (same
 loss and data: the repeat replays the same batches; only timings differ).
 
@@ -105,6 +108,10 @@ class TensorBoardTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # a killed attempt must not lose steps metrics.jsonl has
+
+    def last_step(self) -> int | None:
+        return None  # not queried: metrics.jsonl's mark
 
     def close(self) -> None:
         self.writer.close()
@@ -153,6 +160,11 @@ class MLflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
                                                     for k, v in metrics.items()])
 
+    def last_step(self) -> int | None:
+        """The newest step the run holds (its own record: exact even after a kill)."""
+        history = self.client.get_metric_history(self.run_id, "train/loss")
+        return max((m.step for m in history), default=0)
+
     def close(self) -> None:
         # Not set_terminated: the run stays open for the next attempt and the evaluation.
         pass
@@ -192,6 +204,9 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def last_step(self) -> int | None:
+        return None  # an offline run cannot be asked: metrics.jsonl's mark
 
     def summary(self, metrics: dict[str, float]) -> None:
         self.run.summary.update(metrics)
@@ -243,7 +258,9 @@ class Trackers:
             entry = runs[name]
             tracker = (WandbTracker(run_dir, entry, config) if name == "wandb"
                        else BACKENDS[name](run_dir, entry))
-            opened.append((tracker, _last_logged(run_dir, entry["since_attempt"])))
+            own = tracker.last_step()
+            opened.append((tracker, own if own is not None
+                           else _last_logged(run_dir, entry["since_attempt"])))
         return cls(run_dir, opened)
 
     @classmethod

@@ -170,7 +170,8 @@ def test_wandb_offline_holds_one_run_and_every_step_once(tracked):
                 assert rec.run.run_id == run_id and rec.run.project == "trackers-test"
                 config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
             elif kind == "history":
-                history.append({i.key: json.loads(i.value_json) for i in rec.history.item})
+                row = {i.key: json.loads(i.value_json) for i in rec.history.item}
+                history.append({**row, "_step": rec.history.step.num})
             elif kind == "summary":
                 summary.update({u.key: json.loads(u.value_json) for u in rec.summary.update})
     steps = [h["_step"] for h in history]

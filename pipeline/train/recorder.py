@@ -41,11 +41,12 @@ class Recorder:
 
     def step(self, rec: dict[str, Any]) -> None:
         self.heartbeat.beat(rec["step"], "train")
-        if self.on:
-            # metrics.jsonl first: it is what the trackers' "already logged" mark is read from.
-            append_jsonl(self.run_dir / METRICS, {**rec, "attempt": self.attempt})
+        # The trackers first: a step in metrics.jsonl is one they hold (their mark after a
+        # kill is read from it; a step they hold but metrics.jsonl lacks would be logged again).
         if self.trackers is not None:
             self.trackers.log_step(rec)
+        if self.on:
+            append_jsonl(self.run_dir / METRICS, {**rec, "attempt": self.attempt})
 
     def close(self) -> None:
         if self.trackers is not None:
