@@ -12,6 +12,10 @@ code lands in Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default
 ``/tmp/torchinductor_<user>``): a restarted or requeued job on the same node skips most of the
 first compile.
 
+Where it runs (CPU, 2 processes, fp32, 10 steps; losses against the eager run): fsdp with
+FULL_SHARD, activation checkpointing, TP 2 and PP 2; ddp with and without checkpointing;
+DeepSpeed ZeRO-2, AutoTP and its pipeline engine. Not with DeepSpeed ZeRO-3, whose parameter
+gathering is a forward hook on every submodule that Dynamo cannot trace: the config refuses it.
 What it needs is checked before the first step, with an error naming ``train.compile``
 (:func:`check_toolchain`): Inductor generates C++ on CPU (a C++ compiler must run) and Triton
 kernels on GPU.
