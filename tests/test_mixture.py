@@ -191,9 +191,8 @@ def test_plan_line_says_what_happens_when_a_source_runs_out(data_dir: Path) -> N
 
 @pytest.mark.slow
 def test_two_runs_with_different_mixtures_share_one_tokenization(tmp_path: Path) -> None:
-    """Real Snakemake: tokenize (a job per shard of each source) and render run for real, the
-    rest is marked done with --touch (no training); then changing one run's mixture plans
-    that run's render/train/consolidate/evaluate only."""
+    """Real Snakemake: tokenize (a job per shard of each source) and render run for real (no
+    training); then changing one run's mixture re-renders that run only, and nothing upstream."""
     import yaml
 
     from tests.test_e2e import planned_jobs, snakemake
@@ -211,16 +210,22 @@ def test_two_runs_with_different_mixtures_share_one_tokenization(tmp_path: Path)
         "runs": {"a": {"train": {"mixture": {"code": 1, "prose": 1}}}, "b": {}},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    res = snakemake(tmp_path, "results/runs/a/plan.md", "results/runs/b/plan.md")
+    # (a flag before the targets: --configfile takes every word after it)
+    res = snakemake(tmp_path, "--rerun-incomplete", "results/runs/a/plan.md",
+                    "results/runs/b/plan.md")
     assert res.returncode == 0, res.stderr[-3000:]
     logs = sorted(p.name for p in (tmp_path / "results" / "logs" / "tokenize").iterdir())
     assert logs == [f"{s}.shard-0000{i}.log" for s in ("code", "prose") for i in range(2)]
     manifest = json.loads((tmp_path / "results" / "data" / "manifest.json").read_text())
     assert list(manifest["by_source"]) == ["code", "prose"]
-    res = snakemake(tmp_path, "--touch")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert planned_jobs(tmp_path) == {}
+    before = planned_jobs(tmp_path)  # training and after, never run here
+    assert not {"tokenizer", "tokenize_shard", "gather", "render"} & set(before)
     cfg["runs"]["b"] = {"train": {"mixture": {"code": 3, "prose": 1}}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(tmp_path) == {"render": 1, "train": 1, "consolidate": 1, "evaluate": 1,
-                                      "all": 1}
+    # The new mixture re-renders run b only (so b retrains); nothing upstream is planned.
+    assert planned_jobs(tmp_path) == {**before, "render": 1}
+    res = snakemake(tmp_path, "--rerun-incomplete", "results/runs/b/config.json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rendered = json.loads((tmp_path / "results" / "runs" / "b" / "config.json").read_text())
+    assert rendered["train"]["mixture"] == {"code": 3, "prose": 1}
+    assert planned_jobs(tmp_path) == before

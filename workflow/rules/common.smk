@@ -4,7 +4,7 @@ import os
 import re
 import sys
 
-from pipeline.config_files import parse_config, workflow_config_raw
+from pipeline.config_files import expand_sources, parse_config, workflow_config_raw
 from pipeline.preflight_cache import startup_checks
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
@@ -55,10 +55,33 @@ def run_params(wildcards):
     return json.dumps(CFG.run(wildcards.run).model_dump(mode="json"), sort_keys=True)
 
 
-def format_args():
-    """Reader flags shared by the tokenizer and tokenize rules (all sources share them)."""
-    src = CFG.data.sources[0]
+# One unnamed source keeps the plain layout (shards/shard-NNNNN.*); named sources, or more than
+# one, are each tokenized by their own shard jobs into shards/<name>.shard-NNNNN.*.
+NAMED_SOURCES = len(CFG.data.sources) > 1 or CFG.data.sources[0].name is not None
+SOURCES = {name: src for name, src in zip(CFG.data.source_names, CFG.data.sources)}
+# Each named source's files (shard params); the flat SOURCE_FILES above are their union.
+SOURCE_FILES_BY_NAME = {
+    name: [str(p) for p in expand_sources([src])] for name, src in SOURCES.items()
+} if NAMED_SOURCES else {}
+
+
+def format_args(source=None):
+    """Reader flags of a source (the first one: the one unnamed source)."""
+    src = SOURCES[source] if source is not None else CFG.data.sources[0]
     args = ["--text-field", src.text_field, "--doc-split", src.doc_split]
     if src.format != "auto":
         args += ["--format", src.format]
     return args
+
+
+def sources_json():
+    """Every source's reading options, for the tokenizer trained on all of them."""
+    return json.dumps([s.model_dump(mode="json", exclude={"name"}) for s in CFG.data.sources])
+
+
+def source_params(source):
+    """What determines one source's shards: its entry and the options all sources share (a
+    change to another source redoes this one only through a new tokenizer)."""
+    shared = CFG.data.model_dump(mode="json", exclude={"sources"})
+    return json.dumps({"source": SOURCES[source].model_dump(mode="json"), **shared},
+                      sort_keys=True)
