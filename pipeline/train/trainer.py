@@ -31,14 +31,10 @@ from pipeline.artifacts import (
     EXIT_OK,
     EXIT_REQUEUE,
     LOCK,
-    METRICS,
     PROBE_LOGITS,
     RUN_CONFIG,
     STOP,
     STOPPED,
-    append_event,
-    append_jsonl,
-    attempts,
     write_train_done,
 )
 from pipeline.config import RunConfig
@@ -48,7 +44,7 @@ from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
 from pipeline.model import build_model, device_peak_flops, model_flops_per_token
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims
-from pipeline.train.watchdog import Heartbeat
+from pipeline.train.recorder import Recorder
 
 log = logging.getLogger("pipeline.train")
 
@@ -76,43 +72,6 @@ class StopRequest:
         t = torch.tensor([1.0 if local else 0.0], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
-
-
-class Recorder:
-    """Rank 0's logs: metrics.jsonl (one line per step), events.jsonl, and TensorBoard (tb/).
-    Other ranks' recorders write nothing."""
-
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.run_dir = run_dir
-        self.on = rank == 0
-        self.tb = None
-        self.attempt = attempts(run_dir) + 1 if self.on else 1
-        self.heartbeat = Heartbeat(run_dir, rank)  # every rank: the node task's hang watchdog
-        if self.on:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional for the loop; metrics.jsonl is not
-                log.warning("tensorboard is not installed: writing metrics.jsonl only")
-            else:
-                self.tb = SummaryWriter(str(run_dir / "tb"))
-
-    def event(self, name: str, **kw: Any) -> None:
-        if self.on:
-            append_event(self.run_dir, name, attempt=self.attempt, **kw)
-
-    def step(self, rec: dict[str, Any]) -> None:
-        self.heartbeat.beat(rec["step"], "train")
-        if self.on:
-            append_jsonl(self.run_dir / METRICS, {**rec, "attempt": self.attempt})
-        if self.tb is not None:
-            for key, value in rec.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"train/{key}", value, rec["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
 
 
 def select_device(run: RunConfig, env: RankEnv) -> torch.device:
@@ -203,7 +162,7 @@ class Trainer:
         dist.init_process_group(backend=self.dist_backend)
         self._check_layout()
         t, env = self.run.train, self.env
-        self.rec = Recorder(self.run_dir, env.rank)
+        self.rec = Recorder(self.run_dir, env.rank, self.run)
         self.lock = hold_run_lock(self.run_dir) if env.rank == 0 else None
         dataset = PackedDataset(self.data_dir, split="train")
         tok = dataset.manifest["tokenizer"]
@@ -222,7 +181,8 @@ class Trainer:
                        "param_shards": shards}
         dp_rank, dp_size = dp_coords(self.dims, env.rank)
         self.loader = BatchLoader(dataset, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
-                                  dp_size=dp_size, seed=t.seed)
+                                  dp_size=dp_size, seed=t.seed, mixture=t.mixture,
+                                  on_exhausted=t.on_source_exhausted)
         self.ckpt = ck.CheckpointManager.for_run(
             self.run_dir, self.run, data_hash=sha256_file(self.data_dir / DATA_MANIFEST),
             rank=env.rank, world_size=env.world_size)
@@ -346,12 +306,13 @@ class Trainer:
         an agreed stop request (a checkpoint, ``stopped.json``: ``EXIT_REQUEUE``)."""
         assert self.rec is not None
         t, state = self.run.train, self.state
-        while state.step < t.max_steps:
+        max_steps = self.loader.last_step(t.max_steps, t.grad_accum)  # on_source_exhausted: stop
+        while state.step < max_steps:
             self.train_step()
             stopping = self.stop.agreed(self.device)
-            if stopping or state.step % t.checkpoint_every == 0 or state.step == t.max_steps:
+            if stopping or state.step % t.checkpoint_every == 0 or state.step == max_steps:
                 self.save()
-            if stopping and state.step < t.max_steps:
+            if stopping and state.step < max_steps:
                 self.rec.event("stop", step=state.step)
                 if self.env.rank == 0:
                     write_json_atomic(self.run_dir / STOPPED, {"step": state.step})
@@ -369,6 +330,7 @@ class Trainer:
             write_train_done(self.run_dir, {
                 "step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "checkpoint": self.ckpt.step_dir(self.state.step).name, "params": self.n_params,
+                "tokens_by_source": self.loader.tokens_by_source(),
             })
         self.rec.event("finish", step=self.state.step)
 
