@@ -20,7 +20,9 @@ last step it already holds: MLflow's own history says so; for TensorBoard and W&
 cannot be asked) it is the newest step in ``metrics.jsonl`` written since the tracker run was
 opened (``since_attempt``: metrics records carry their attempt). The recorder logs a step to the
 trackers before it appends it to ``metrics.jsonl``, and TensorBoard is flushed every step, so
-a step in ``metrics.jsonl`` is in every tracker even when the attempt is killed. The tracker keeps the first
+a step in ``metrics.jsonl`` is in every tracker even when the attempt is killed, except W&B:
+its service process writes asynchronously and may drop a SIGKILLed attempt's buffered steps
+(tests/test_trackers.py: those are missing, never doubled). The tracker keeps the first
 value of a repeated step, as W&B itself does; ``metrics.jsonl``'s readers keep the last (same
 loss and data: the repeat replays the same batches; only timings differ).
 
