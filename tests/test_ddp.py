@@ -92,39 +92,55 @@ def max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+def train_together(data_dir: Path, cfg: dict, folder: str, nproc: dict[str, int],
+                   stopped: tuple[str, ...] = (), timeout: int = 600) -> dict[str, Path]:
+    """Render every run of ``cfg`` into ``<work>/<folder>/<run>`` and train them all at once
+    under torchrun (their start-ups overlap on the 2 cores). Each run in ``stopped`` gets a STOP
+    file once it has logged 3 steps: its ranks agree on a step, save and exit 75 (torchrun
+    reports that as a failure), and the STOP file is removed again. Asserts every run ended so;
+    returns the run directories."""
+    work = data_dir.parent
+    config = work / f"{folder}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    dirs = {name: work / folder / name for name in cfg["runs"]}
+    for name, run_dir in dirs.items():
+        run_cli("pipeline.render", "--config", str(config), "--run", name, "--out", str(run_dir),
+                "--data-manifest", str(data_dir / "manifest.json"))
+    procs = {name: torchrun(dirs[name], data_dir, nproc[name]) for name in dirs}
+    deadline = time.monotonic() + timeout
+    for name in stopped:
+        metrics_file = dirs[name] / "metrics.jsonl"
+        while (not metrics_file.exists() or len(metrics_file.read_text().splitlines()) < 3):
+            if procs[name].poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        (dirs[name] / "STOP").touch()
+    errors = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=timeout)
+        if (proc.returncode != 0) != (name in stopped):
+            errors[name] = (proc.returncode, err[-3000:])
+    assert not errors, errors
+    for name in stopped:
+        assert 3 <= json.loads((dirs[name] / "stopped.json").read_text())["step"] < STEPS
+        (dirs[name] / "STOP").unlink()
+    return dirs
+
+
+def resume(run_dir: Path, data_dir: Path, nproc: int, timeout: int = 600) -> None:
+    """Train a stopped run to the end (asserting it finishes)."""
+    proc = torchrun(run_dir, data_dir, nproc)
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+
+
 @pytest.fixture(scope="module")
 def runs(data_dir) -> dict[str, Path]:
     """Every run rendered by the render stage and trained by the worker under torchrun; the
     ``fp16stop`` run is stopped after 3+ steps, then resumed to the end."""
-    work = data_dir.parent
-    cfg = {**BASE, "runs": RUNS}
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-    dirs = {name: work / "runs" / name for name in RUNS}
-    for name, run_dir in dirs.items():
-        run_cli("pipeline.render", "--config", str(work / "config.yaml"), "--run", name,
-                "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
     nproc = {name: (RUNS[name].get("cluster") or {}).get("gpus_per_node", 2) for name in RUNS}
-    procs = {name: torchrun(dirs[name], data_dir, nproc[name]) for name in RUNS}
-    stop = dirs["fp16stop"]
-    while (not (stop / "metrics.jsonl").exists()
-           or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
-        if procs["fp16stop"].poll() is not None:
-            break
-        time.sleep(0.005)
-    (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
-    errors = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        # The stopped run's ranks exit 75 (requeue); torchrun reports that as a failure.
-        if (proc.returncode != 0) != (name == "fp16stop"):
-            errors[name] = (proc.returncode, err[-3000:])
-    assert not errors, errors
-    stopped = json.loads((stop / "stopped.json").read_text())["step"]
-    assert 3 <= stopped < STEPS
-    (stop / "STOP").unlink()
-    proc = torchrun(stop, data_dir, 2)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    dirs = train_together(data_dir, {**BASE, "runs": RUNS}, "runs", nproc, ("fp16stop",))
+    resume(dirs["fp16stop"], data_dir, 2)
     return dirs
 
 

@@ -29,16 +29,22 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from tests.conftest import consolidated_probe
-from tests.test_ddp import BASE, STEPS, data_dir, losses, max_rel, metrics, torchrun  # noqa: F401
-from tests.test_resume import run_cli
+from tests.test_ddp import (  # noqa: F401
+    BASE,
+    STEPS,
+    data_dir,
+    losses,
+    max_rel,
+    metrics,
+    resume,
+    train_together,
+)
 from tests.test_tp import consumed
 
 TRAIN = {**BASE["train"], "backend": "deepspeed", "zero_stage": 1, "grad_clip": 0.3,
@@ -60,37 +66,10 @@ TIMEOUT = 900
 
 @pytest.fixture(scope="module")
 def runs(data_dir) -> dict[str, Path]:  # noqa: F811
-    work = data_dir.parent
     cfg = {**BASE, "train": TRAIN, "runs": RUNS}
-    (work / "ds-parallel.yaml").write_text(yaml.safe_dump(cfg))
-    dirs = {name: work / "ds-parallel" / name for name in RUNS}
-    for name, run_dir in dirs.items():
-        run_cli("pipeline.render", "--config", str(work / "ds-parallel.yaml"), "--run", name,
-                "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
-    t0 = time.perf_counter()
-    procs = {name: torchrun(dirs[name], data_dir, NPROC[name]) for name in RUNS}
+    dirs = train_together(data_dir, cfg, "ds-parallel", NPROC, STOPPED, timeout=TIMEOUT)
     for name in STOPPED:
-        stop = dirs[name]
-        while (not (stop / "metrics.jsonl").exists()
-               or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
-            if procs[name].poll() is not None or time.perf_counter() - t0 > TIMEOUT:
-                break
-            time.sleep(0.005)
-        (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
-    errors = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=TIMEOUT)
-        if (proc.returncode != 0) != (name in STOPPED):
-            errors[name] = (proc.returncode, err[-3000:])
-    assert not errors, errors
-    for name in STOPPED:
-        stop = dirs[name]
-        stopped = json.loads((stop / "stopped.json").read_text())["step"]
-        assert 3 <= stopped < STEPS
-        (stop / "STOP").unlink()
-        proc = torchrun(stop, data_dir, NPROC[name])
-        _, err = proc.communicate(timeout=TIMEOUT)
-        assert proc.returncode == 0, err[-3000:]
+        resume(dirs[name], data_dir, NPROC[name], timeout=TIMEOUT)
     return dirs
 
 

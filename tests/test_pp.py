@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,16 @@ import torch
 import yaml
 
 from tests.conftest import consolidated_probe
-from tests.test_ddp import BASE, STEPS, data_dir, losses, max_rel, metrics, torchrun  # noqa: F401
+from tests.test_ddp import (  # noqa: F401
+    BASE,
+    STEPS,
+    data_dir,
+    losses,
+    max_rel,
+    metrics,
+    resume,
+    train_together,
+)
 from tests.test_resume import run_cli
 from tests.test_tp import consumed
 
@@ -65,34 +73,13 @@ def consumed_pp(run_dir: Path, nproc: int, tp: int, pp: int) -> dict[int, list[i
 def runs(data_dir) -> dict[str, Path]:  # noqa: F811
     work = data_dir.parent
     cfg = {**BASE, "train": TRAIN, "runs": RUNS}
-    (work / "pp-config.yaml").write_text(yaml.safe_dump(cfg))
-    dirs = {name: work / "pp-runs" / name for name in RUNS}
-    for name, run_dir in dirs.items():
-        run_cli("pipeline.render", "--config", str(work / "pp-config.yaml"), "--run", name,
-                "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
-    procs = {name: torchrun(dirs[name], data_dir, NPROC[name]) for name in RUNS}
+    dirs = train_together(data_dir, cfg, "pp-runs", NPROC, ("ppstop",), timeout=900)
     stop = dirs["ppstop"]
-    while (not (stop / "metrics.jsonl").exists()
-           or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
-        if procs["ppstop"].poll() is not None:
-            break
-        time.sleep(0.005)
-    (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
-    errors = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=900)
-        if (proc.returncode != 0) != (name == "ppstop"):
-            errors[name] = (proc.returncode, err[-3000:])
-    assert not errors, errors
     # pp 2 → pp 1: the same run re-rendered as pure data parallelism (dp 2, micro 4 × 2).
     (work / "pp-config-dp.yaml").write_text(yaml.safe_dump({**cfg, "runs": {"ppstop": {}}}))
     run_cli("pipeline.render", "--config", str(work / "pp-config-dp.yaml"), "--run", "ppstop",
             "--out", str(stop), "--data-manifest", str(data_dir / "manifest.json"))
-    assert 3 <= json.loads((stop / "stopped.json").read_text())["step"] < STEPS
-    (stop / "STOP").unlink()
-    proc = torchrun(stop, data_dir, 2)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    resume(stop, data_dir, 2)
     return dirs
 
 

@@ -132,7 +132,17 @@ def consumed(run_dir: Path) -> dict[int, list[int]]:
 @pytest.fixture(scope="module", params=["fsdp", "ds"])
 def reference(request, data_dir, tmp_path_factory):
     run_dir = render(data_dir, request.param, tmp_path_factory.mktemp(f"ref-{request.param}"))
-    finish(torchrun(run_dir, data_dir), expect_ok=True)
+    proc = torchrun(run_dir, data_dir)
+    _, err = proc.communicate(timeout=300)
+    if (proc.returncode != 0 and "terminate called without an active exception" in err
+            and steps_logged(run_dir) == 0):
+        # An intermittent C++ abort of one rank before its first step (seen twice in about five
+        # full CI runs, always here, never after step 1; open). The launcher retries such a
+        # failure within max_failures; this reference runs without the launcher, so it retries
+        # once itself, and only before any step: the reference stays uninterrupted.
+        proc = torchrun(run_dir, data_dir)
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     return request.param, run_dir
 
 

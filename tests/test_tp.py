@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,16 @@ import torch
 import yaml
 
 from tests.conftest import consolidated_probe
-from tests.test_ddp import BASE, STEPS, data_dir, losses, max_rel, metrics, torchrun  # noqa: F401
+from tests.test_ddp import (  # noqa: F401
+    BASE,
+    STEPS,
+    data_dir,
+    losses,
+    max_rel,
+    metrics,
+    resume,
+    train_together,
+)
 from tests.test_resume import run_cli
 
 TRAIN = {**BASE["train"], "grad_clip": 0.3, "record_samples": True}
@@ -69,26 +77,7 @@ def consumed(run_dir: Path, nproc: int, tp: int) -> dict[int, list[int]]:
 def runs(data_dir) -> dict[str, Path]:  # noqa: F811
     work = data_dir.parent
     cfg = {**BASE, "train": TRAIN, "runs": RUNS}
-    (work / "tp-config.yaml").write_text(yaml.safe_dump(cfg))
-    dirs = {name: work / "tp-runs" / name for name in RUNS}
-    for name, run_dir in dirs.items():
-        run_cli("pipeline.render", "--config", str(work / "tp-config.yaml"), "--run", name,
-                "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
-    procs = {name: torchrun(dirs[name], data_dir, NPROC[name]) for name in RUNS}
-    for name in STOPPED:
-        stop = dirs[name]
-        while (not (stop / "metrics.jsonl").exists()
-               or len((stop / "metrics.jsonl").read_text().splitlines()) < 3):
-            if procs[name].poll() is not None:
-                break
-            time.sleep(0.005)
-        (stop / "STOP").touch()  # the ranks agree on a step, save a checkpoint and exit 75
-    errors = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        if (proc.returncode != 0) != (name in STOPPED):
-            errors[name] = (proc.returncode, err[-3000:])
-    assert not errors, errors
+    dirs = train_together(data_dir, cfg, "tp-runs", NPROC, STOPPED)
     # "relayout" (tp 2 × dp 2) continues as pure data parallelism (dp 4, micro 2 × 2) with the
     # same global batch: the layout is not part of the checkpoint's config hash, and DCP
     # reshards DTensor state.
@@ -98,13 +87,7 @@ def runs(data_dir) -> dict[str, Path]:  # noqa: F811
     run_cli("pipeline.render", "--config", str(work / "tp-config-dp.yaml"), "--run", "relayout",
             "--out", str(dirs["relayout"]), "--data-manifest", str(data_dir / "manifest.json"))
     for name in STOPPED:
-        stop = dirs[name]
-        stopped = json.loads((stop / "stopped.json").read_text())["step"]
-        assert 3 <= stopped < STEPS
-        (stop / "STOP").unlink()
-        proc = torchrun(stop, data_dir, NPROC[name])
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        resume(dirs[name], data_dir, NPROC[name])
     return dirs
 
 
