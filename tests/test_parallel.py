@@ -107,3 +107,18 @@ def test_four_gloo_ranks_on_two_nodes_get_a_hybrid_mesh(tmp_path):
         assert rec["coords"] == [rank // 2, rank % 2]
         # Sharded over the node's 2 ranks only, replicated across the nodes.
         assert rec["global_shape"] == [4, 8] and rec["local_shape"] == [2, 8]
+
+
+def test_the_loss_counts_once_per_data_parallel_replica_from_the_last_stage():
+    from pipeline.plan.topology import ParallelDims
+    from pipeline.train.parallel import reports_loss
+
+    def ranks(tp: int, pp: int, world: int) -> list[int]:
+        dims = ParallelDims(nodes=1, gpus_per_node=world, tp=tp, pp=pp, micro_batch_size=1,
+                            grad_accum=2)
+        return [r for r in range(world) if reports_loss(dims, r)]
+
+    assert ranks(1, 1, 4) == [0, 1, 2, 3]
+    assert ranks(2, 1, 4) == [0, 2]
+    assert ranks(1, 2, 4) == [2, 3]
+    assert ranks(2, 2, 8) == [4, 6]

@@ -72,6 +72,13 @@ def dp_coords(dims: ParallelDims, rank: int) -> tuple[int, int]:
     return (rank // dims.tp) % dims.dp, dims.dp
 
 
+def reports_loss(dims: ParallelDims, rank: int) -> bool:
+    """Whether ``rank`` holds a loss that counts once in the data-parallel mean: the first rank
+    of its TP group (the others computed the same) on the last pipeline stage (the only one
+    that computes it). Same rank order as :func:`dp_coords`."""
+    return rank % dims.tp == 0 and rank // (dims.tp * dims.dp) == dims.pp - 1
+
+
 def build_mesh(dims: ParallelDims, device_type: str, sharding: str = "FULL_SHARD") -> DeviceMesh:
     """The world's :class:`DeviceMesh` (collective: every rank calls it after the process group
     is up). Slice it by name: ``mesh["tp"]``, ``mesh["pp"]``, :func:`fsdp_mesh`."""

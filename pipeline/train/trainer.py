@@ -43,7 +43,7 @@ from pipeline.distenv import RankEnv
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
 from pipeline.model import build_model, device_peak_flops, model_flops_per_token
-from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims
+from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims, reports_loss
 from pipeline.train.recorder import Recorder
 
 log = logging.getLogger("pipeline.train")
@@ -171,8 +171,7 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = model_flops_per_token(model, self.run.data.seq_len)
         self.engine = self._build_engine(model)
-        tp_rank, pp_rank = env.rank % self.dims.tp, env.rank // (self.dims.world // self.dims.pp)
-        self.reports_loss = tp_rank == 0 and pp_rank == self.dims.pp - 1
+        self.reports_loss = reports_loss(self.dims, env.rank)
         # What each rank holds of the model (its local shards): the planner's per-rank count,
         # checked against the engines in the tests.
         shards = [0] * env.world_size
