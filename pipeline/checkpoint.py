@@ -393,8 +393,12 @@ class CheckpointManager:
     (``pipeline.train.engines.Engine``)."""
 
     def __init__(self, root: Path, *, config_hash: str, data_hash: str, keep_last: int,
-                 backend: str, zero_stage: int | None, rank: int, world_size: int) -> None:
+                 backend: str, zero_stage: int | None, rank: int, world_size: int,
+                 background: bool = False) -> None:
         self.root = root
+        self.background = background  # train.checkpoint_async: pipeline.checkpoint_async
+        self.inflight: Any = None  # the save whose files or manifest are still being written
+        self._pg: Any = None  # the gloo group of background commits (made at the first one)
         self.config_hash = config_hash
         self.data_hash = data_hash
         self.keep_last = keep_last
@@ -409,7 +413,8 @@ class CheckpointManager:
         """The manager of ``run_dir/checkpoints`` for the rendered ``run``."""
         return cls(run_dir / CHECKPOINTS, config_hash=config_hash(run), data_hash=data_hash,
                    keep_last=run.train.keep_last, backend=run.train.backend,
-                   zero_stage=run.train.zero_stage, rank=rank, world_size=world_size)
+                   zero_stage=run.train.zero_stage, rank=rank, world_size=world_size,
+                   background=run.train.checkpoint_async)
 
     def resume(self) -> Path | None:
         """Collective: the checkpoint every rank resumes from (rank 0 removes half-written
@@ -464,9 +469,16 @@ class CheckpointManager:
     def save(self, engine: Any, state: TrainerState) -> Path:
         """Collective: every rank writes into the tmp folder (engine files, its RNG), rank 0
         the trainer state; rank 0 then gathers the writers' checksums and finalizes (manifest
-        last, rename into place, prune). ``state.scheduler`` is updated from the engine."""
+        last, rename into place, prune). ``state.scheduler`` is updated from the engine.
+
+        In the background (``train.checkpoint_async`` and an engine with ``save_async``): the
+        previous save is waited for first, then only the staging blocks; the files and the
+        commit follow in :mod:`pipeline.checkpoint_async` (:meth:`wait` for them). The folder
+        returned is where the checkpoint will be once committed."""
         import torch.distributed as dist
 
+        if self.background and hasattr(engine, "save_async"):
+            return self._save_in_background(engine, state)
         tmp = tmp_dir(self.root, state.step)
         if self.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -486,6 +498,46 @@ class CheckpointManager:
             finalize(self.root, state.step, self._meta(state), self.keep_last, known)
         dist.barrier()
         return step_dir(self.root, state.step)
+
+    def _save_in_background(self, engine: Any, state: TrainerState) -> Path:
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_async import InFlight, commit_in_background
+
+        self.wait()  # at most one save in flight: its staging buffers are reused
+        if self._pg is None:  # collective: every rank's first save, in the same order
+            self._pg = dist.new_group(backend="gloo")
+        step, started = state.step, time.perf_counter()
+        tmp = tmp_dir(self.root, step)
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        now, write = engine.save_async(tmp, self._pg)
+        state.scheduler = now.get("scheduler")
+        save_rng(tmp, self.rank)
+        if self.rank == 0:
+            write_json_atomic(tmp / CKPT_TRAINER, state.to_json())
+        meta = self._meta(state)
+        commit = commit_in_background(
+            write, step=step, rank=self.rank, world_size=self.world_size, pg=self._pg,
+            finalize=lambda known: finalize(self.root, step, meta, self.keep_last, known))
+        self.inflight = InFlight(step, started, commit)
+        return step_dir(self.root, step)
+
+    def wait(self) -> tuple[int, float] | None:
+        """Collective when a save is in flight: wait until it is committed; returns its step and
+        the seconds from its start to the commit (None if none was in flight). Its failure is
+        raised here, as the same error on every rank."""
+        if self.inflight is None:
+            return None
+        done, self.inflight = self.inflight, None
+        return done.step, done.future.result()
+
+    def poll(self) -> tuple[int, float] | None:
+        """:meth:`wait` if the save in flight has finished, else None (never blocks)."""
+        if self.inflight is None or not self.inflight.future.done():
+            return None
+        return self.wait()
 
     def _meta(self, state: TrainerState) -> dict[str, Any]:
         return {

@@ -47,6 +47,7 @@ from pipeline.config_types import (  # re-exported: the config's value sets and 
     StrategyMode,
     Tracker,
     _Strict,
+    check_model_parallel,
 )
 from pipeline.config_types import format_errors as _format_errors
 from pipeline.errors import PipelineError
@@ -307,6 +308,12 @@ class TrainConfig(_Strict):
     on_source_exhausted: OnExhausted = "repeat"
     """When a source of the mixture runs out of sequences: start it over (a new epoch of that
     source, reshuffled), or stop training there."""
+    checkpoint_async: bool = True
+    """Save checkpoints in the background: training waits only while the rank's state is copied
+    to host memory (pinned on GPUs, and kept there between saves: a second copy of the rank's
+    model and optimizer states); the files, their fsync and the manifest follow in a background
+    thread. At most one save is in flight (the next waits); a stop and the last step wait for it.
+    fsdp/ddp: DCP's ``async_save``; deepspeed: its files staged, written by this pipeline."""
 
     @field_validator("mixture")
     @classmethod
@@ -364,46 +371,8 @@ class TrainConfig(_Strict):
                 "forward hook torch.compile cannot trace; use train.zero_stage <= 2, backend fsdp "
                 "(FULL_SHARD shards like ZeRO-3) or train.compile: false")
         if self.tp > 1 or self.pp > 1:
-            self._check_model_parallel()
+            check_model_parallel(self)
         return self
-
-    def _check_model_parallel(self) -> None:
-        # What each engine can run (the planner's ladder offers the same rungs only).
-        what = f"train.tp ({self.tp})" if self.tp > 1 else f"train.pp ({self.pp})"
-        if self.backend == "ddp":
-            raise ValueError(
-                f"{what}: backend ddp keeps a full replica per process (no tensor or pipeline "
-                "parallelism); use train.backend: fsdp, which runs TP × PP × DP"
-            )
-        if self.backend == "deepspeed":
-            if self.tp > 1 and self.pp > 1:
-                raise ValueError(
-                    f"train.tp ({self.tp}) with train.pp ({self.pp}): DeepSpeed cannot combine "
-                    "AutoTP with its PipelineModule; use train.backend: fsdp for TP × PP × DP"
-                )
-            if self.tp > 1 and self.zero_stage > 2:
-                raise ValueError(
-                    f"train.tp ({self.tp}): DeepSpeed's AutoTP trains with ZeRO 0-2; set "
-                    "train.zero_stage <= 2 (or use train.backend: fsdp)"
-                )
-            if self.pp > 1 and self.zero_stage > 1:
-                raise ValueError(
-                    f"train.pp ({self.pp}): DeepSpeed's pipeline engine allows ZeRO 0-1 only; "
-                    "set train.zero_stage <= 1 (or use train.backend: fsdp)"
-                )
-            if self.offload_optimizer or self.offload_params:
-                raise ValueError(
-                    f"{what}: DeepSpeed's tensor and pipeline parallelism run without offload; "
-                    "set train.offload_optimizer and train.offload_params to false"
-                )
-        if self.backend == "fsdp" and self.pp > 1 and self.pp_schedule == "1f1b" \
-                and self.grad_accum < self.pp:
-            raise ValueError(
-                f"train.pp_schedule 1f1b needs at least one micro batch per stage: "
-                f"train.grad_accum ({self.grad_accum}) < train.pp ({self.pp}); raise "
-                "train.grad_accum or use train.pp_schedule: gpipe"
-            )
-
 
 class PlanConfig(_Strict):
     """How the render stage's memory planner judges a layout."""

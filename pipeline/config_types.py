@@ -94,3 +94,42 @@ def _got(e: dict[str, Any]) -> str:
     if e["type"] in ("extra_forbidden", "missing") or isinstance(e.get("input"), dict):
         return ""
     return f" (got {e.get('input')!r})"
+
+
+def check_model_parallel(t: Any) -> None:
+    """Which layouts each engine runs (``TrainConfig``'s check when tp or pp > 1); the
+    planner's ladder offers the same rungs only."""
+    what = f"train.tp ({t.tp})" if t.tp > 1 else f"train.pp ({t.pp})"
+    if t.backend == "ddp":
+        raise ValueError(
+            f"{what}: backend ddp keeps a full replica per process (no tensor or pipeline "
+            "parallelism); use train.backend: fsdp, which runs TP × PP × DP"
+        )
+    if t.backend == "deepspeed":
+        if t.tp > 1 and t.pp > 1:
+            raise ValueError(
+                f"train.tp ({t.tp}) with train.pp ({t.pp}): DeepSpeed cannot combine "
+                "AutoTP with its PipelineModule; use train.backend: fsdp for TP × PP × DP"
+            )
+        if t.tp > 1 and t.zero_stage > 2:
+            raise ValueError(
+                f"train.tp ({t.tp}): DeepSpeed's AutoTP trains with ZeRO 0-2; set "
+                "train.zero_stage <= 2 (or use train.backend: fsdp)"
+            )
+        if t.pp > 1 and t.zero_stage > 1:
+            raise ValueError(
+                f"train.pp ({t.pp}): DeepSpeed's pipeline engine allows ZeRO 0-1 only; "
+                "set train.zero_stage <= 1 (or use train.backend: fsdp)"
+            )
+        if t.offload_optimizer or t.offload_params:
+            raise ValueError(
+                f"{what}: DeepSpeed's tensor and pipeline parallelism run without offload; "
+                "set train.offload_optimizer and train.offload_params to false"
+            )
+    if t.backend == "fsdp" and t.pp > 1 and t.pp_schedule == "1f1b" \
+            and t.grad_accum < t.pp:
+        raise ValueError(
+            f"train.pp_schedule 1f1b needs at least one micro batch per stage: "
+            f"train.grad_accum ({t.grad_accum}) < train.pp ({t.pp}); raise "
+            "train.grad_accum or use train.pp_schedule: gpipe"
+        )

@@ -13,7 +13,7 @@ the whole:
 * ``load``: checkpoint load (rank 0's ``load`` events);
 * ``productive``: steps whose result was kept (from the end of the previous step or save to the
   end of this step: the per-step bookkeeping counts with its step);
-* ``save``: checkpoint saves (rank 0's ``save`` events);
+* ``save``: what training waited for checkpoints (rank 0's ``save`` and ``save_wait`` events);
 * ``lost``: steps computed again later because the attempt failed after its last checkpoint,
   plus a failed attempt's time from its last step to its end (a hang's wait, the kill);
 * ``shutdown``: a finished or stopped attempt's time after its last step and save (the probe,
@@ -137,8 +137,10 @@ def _split(a: Attempt, events: list[dict[str, Any]], metrics: list[dict[str, Any
     inside = [e for e in events if a.begin <= float(e.get("time", 0)) <= a.end]
     steps = sorted((m for m in metrics if isinstance(m.get("time"), (int, float))
                     and a.begin <= m["time"] <= a.end), key=lambda m: m["time"])
+    # What training waited for checkpoints: each save (with checkpoint_async, its staging and
+    # any wait for the previous one) and the wait for the last one before a stop or the end.
     saves = [(float(e["time"]), float(e.get("seconds", 0))) for e in inside
-             if e.get("event") == "save"]
+             if e.get("event") in ("save", "save_wait")]
     p = a.parts
     p["load"] = sum(float(e.get("seconds", 0)) for e in inside if e.get("event") == "load")
     start = next((e for e in inside if e.get("event") == "start"), None)

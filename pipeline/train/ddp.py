@@ -139,16 +139,22 @@ class DDPEngine:
         import torch.distributed.checkpoint as dcp
 
         from pipeline import fastio
+        from pipeline.checkpoint_async import dcp_writer
 
-        state = self._state()
-        # As the fsdp engine: several writer threads, files through fastio's O_DIRECT writer
-        # (checksummed and fsynced as written).
+        # As the fsdp engine: files through fastio's O_DIRECT writer (checksummed, fsynced).
         digests = fastio.Digests()
-        writer = dcp.FileSystemWriter(str(ckpt / "dcp"), thread_count=4, sync_files=False)
-        writer.fs = fastio.dcp_filesystem(digests)
         with fastio.no_torch_crc32():
-            dcp.save(state, storage_writer=writer)
+            dcp.save(self._state(), storage_writer=dcp_writer(ckpt, digests))
         return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
+
+    def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
+        """Stage now, write in DCP's background thread (``pipeline.checkpoint_async``)."""
+        from pipeline.checkpoint_async import dcp_save_async, make_stager
+
+        if getattr(self, "_stager", None) is None:
+            self._stager = make_stager()
+        write = dcp_save_async(self._state(), ckpt, pg, self._stager)
+        return {"scheduler": self.sched.state_dict()}, write
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp

@@ -152,21 +152,31 @@ class FSDPEngine:
         self.opt.zero_grad(set_to_none=True)
         return StepResult(loss=total / n, grad_norm=float(norm), lr=lr)
 
-    def save(self, ckpt: Path) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+    def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from pipeline import fastio
-
         msd, osd = get_state_dict(self.model, self.opt)
-        # Several writer threads per rank: DCP's default single thread leaves the disk idle.
-        # Files go through fastio's O_DIRECT writer, which checksums and fsyncs them itself.
+        return {"model": msd, "optim": osd}
+
+    def save(self, ckpt: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        from pipeline import fastio
+        from pipeline.checkpoint_async import dcp_writer
+
         digests = fastio.Digests()
-        writer = dcp.FileSystemWriter(str(ckpt / "dcp"), thread_count=4, sync_files=False)
-        writer.fs = fastio.dcp_filesystem(digests)
         with fastio.no_torch_crc32():
-            dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+            dcp.save(self._state(), storage_writer=dcp_writer(ckpt, digests))
         return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
+
+    def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
+        """Stage now, write in DCP's background thread (``pipeline.checkpoint_async``)."""
+        from pipeline.checkpoint_async import dcp_save_async, make_stager
+
+        if getattr(self, "_stager", None) is None:
+            self._stager = make_stager()  # kept: its host buffers are reused save after save
+        write = dcp_save_async(self._state(), ckpt, pg, self._stager)
+        return {"scheduler": self.sched.state_dict()}, write
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -275,6 +285,23 @@ class DeepSpeedEngine:
         finally:
             del ce.save  # back to the class's method
         return {"digests": digests.relative_to(ckpt)}
+
+    def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
+        """``save_checkpoint`` with the checkpoint engine's ``save`` staging host copies; the
+        files are written in the background (``pipeline.checkpoint_async.BackgroundWriter``)."""
+        from pipeline.checkpoint_async import BackgroundWriter, make_stager
+
+        if getattr(self, "_writer", None) is None:
+            ce = self.engine.checkpoint_engine
+            self._writer = BackgroundWriter(make_stager(),
+                                            getattr(ce, "zipfile_serialization", False))
+        ce = self.engine.checkpoint_engine
+        ce.save = self._writer.stage
+        try:
+            self.engine.save_checkpoint(str(ckpt), tag="ds", save_latest=False)
+        finally:
+            del ce.save  # back to the class's method
+        return {}, self._writer.start(ckpt)
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine

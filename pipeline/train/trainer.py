@@ -296,9 +296,30 @@ class Trainer:
         self.state.loader = self.loader.state_dict()
         t_save = time.perf_counter()
         self.rec.heartbeat.beat(self.state.step, "save")  # the watchdog's save allowance
+        # In the background (train.checkpoint_async), this waits for the previous save, if it
+        # is still in flight, and stages; ``seconds`` is what training waited either way.
+        committed = self.ckpt.inflight
         self.ckpt.save(self.engine, self.state)
+        if committed is not None and self.ckpt.inflight is not committed:
+            self._committed(committed.step, committed.future.result())
         self.rec.heartbeat.beat(self.state.step, "train")  # saved: back to the step timeout
-        self.rec.event("save", step=self.state.step, seconds=time.perf_counter() - t_save)
+        self.rec.event("save", step=self.state.step, seconds=time.perf_counter() - t_save,
+                       background=self.ckpt.inflight is not None)
+
+    def wait_for_save(self) -> None:
+        """Collective: the save in flight committed (before a stop, train.done or the end)."""
+        assert self.rec is not None
+        if self.ckpt.inflight is not None:
+            t0 = time.perf_counter()
+            self.rec.heartbeat.beat(self.state.step, "save")
+            done = self.ckpt.wait()
+            assert done is not None
+            self._committed(*done)
+            self.rec.event("save_wait", step=done[0], seconds=time.perf_counter() - t0)
+
+    def _committed(self, step: int, seconds: float) -> None:
+        assert self.rec is not None
+        self.rec.event("save_commit", step=step, seconds=seconds)
 
     def train(self) -> int:
         """Steps until ``train.max_steps`` (then the probe and ``train.done``: ``EXIT_OK``) or
@@ -308,10 +329,14 @@ class Trainer:
         max_steps = self.loader.last_step(t.max_steps, t.grad_accum)  # on_source_exhausted: stop
         while state.step < max_steps:
             self.train_step()
+            done = self.ckpt.poll()  # a background save that finished meanwhile
+            if done is not None:
+                self._committed(*done)
             stopping = self.stop.agreed(self.device)
             if stopping or state.step % t.checkpoint_every == 0 or state.step == max_steps:
                 self.save()
             if stopping and state.step < max_steps:
+                self.wait_for_save()  # the requeued job resumes from this very checkpoint
                 self.rec.event("stop", step=state.step)
                 if self.env.rank == 0:
                     write_json_atomic(self.run_dir / STOPPED, {"step": state.step})
@@ -322,6 +347,7 @@ class Trainer:
     def finish(self) -> None:
         """After the last step: the probe logits, then (rank 0) ``train.done``."""
         assert self.rec is not None
+        self.wait_for_save()  # train.done names the last checkpoint: it must be committed
         self.write_probe()
         if self.env.rank == 0:
             (self.run_dir / STOP).unlink(missing_ok=True)
@@ -354,6 +380,15 @@ class Trainer:
 
     def close(self) -> None:
         """Recorder, sample log, process group, then the run lock (safe after a failed build)."""
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None and ckpt.inflight is not None:
+            # Ending on an error with a save in flight: finish it if the other ranks do too
+            # (it is a good checkpoint); its own failure must not hide the error in flight.
+            try:
+                ckpt.wait()
+            except Exception as err:
+                log.warning("rank %d: the checkpoint in flight was not saved: %s",
+                            self.env.rank, err)
         if self.rec is not None:
             self.rec.close()
         if self.samples is not None:
