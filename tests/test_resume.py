@@ -76,11 +76,11 @@ def render(data_dir: Path, run: str, run_dir: Path) -> Path:
     return run_dir
 
 
-def torchrun(run_dir: Path, data_dir: Path) -> subprocess.Popen:
+def torchrun(run_dir: Path, data_dir: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "pipeline.train", "worker", "--run-dir", str(run_dir), "--data-dir", str(data_dir)],
-        env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
 
@@ -192,6 +192,47 @@ def test_kill_while_writing_a_checkpoint_then_resume_is_bit_exact(reference, dat
     # The half-written checkpoint is never resumed from; the previous complete one is.
     finish(torchrun(run_dir, data_dir), expect_ok=True)
     assert not list(ckpts.glob(".tmp-step-*"))
+    ref, got = final_weights(ref_dir), final_weights(run_dir)
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
+    assert consumed(run_dir) == consumed(ref_dir)
+
+
+def test_kill_during_a_background_save_never_loads_that_checkpoint(reference, data_dir, tmp_path):
+    """train.checkpoint_async (the default): training goes on while a save is written; a job
+    killed then leaves a folder without a manifest, and the resume takes the previous one."""
+    from pipeline.checkpoint_async import SLOW_SAVE_ENV
+
+    run, ref_dir = reference
+    run_dir = render(data_dir, run, tmp_path / run)
+    # A slow disk on demand: each background commit waits 4 s, holding the save in flight.
+    proc = torchrun(run_dir, data_dir, **{SLOW_SAVE_ENV: "4"})
+    pending = run_dir / "checkpoints" / ".tmp-step-000006"
+    events = run_dir / "events.jsonl"
+
+    def in_flight() -> bool:  # step 6's save began, training went on past it, not committed
+        begun = set()
+        for line in events.read_text().splitlines() if events.exists() else []:
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if e.get("event") == "save":
+                begun.add(e["step"])
+        return (6 in begun and steps_logged(run_dir) >= 7
+                and not (pending / "manifest.json").exists())
+
+    while not in_flight() and proc.poll() is None:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before its step-6 save was caught in flight"
+    kill_a_rank(proc)
+    finish(proc, expect_ok=False)
+    assert pending.is_dir() and not (pending / "manifest.json").exists()
+    assert not (run_dir / "checkpoints" / "step-000006").exists()
+
+    finish(torchrun(run_dir, data_dir), expect_ok=True)
+    starts = [json.loads(x) for x in events.read_text().splitlines() if '"start"' in x]
+    assert starts[1]["resumed_from"] == 3, starts  # the last committed one, never step 6's
     ref, got = final_weights(ref_dir), final_weights(run_dir)
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
