@@ -192,7 +192,44 @@ def goodput(run_dir: Path, events: list[dict[str, Any]] | None = None,
         **totals,
         "goodput": round(totals["productive"] / total, 4) if total > 0 else None,
         "attempts": [a.as_dict() for a in attempts],
+        "saves": save_summary(events),
     }
+
+
+def save_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Checkpoint saves from rank 0's events: how many, whether in the background, what each
+    blocked training (``save`` seconds, the median and the longest; ``save_wait`` added to the
+    total) and how long each took until committed (``save_commit``)."""
+    import statistics
+
+    def secs(name: str) -> list[float]:
+        return [float(e["seconds"]) for e in events
+                if e.get("event") == name and _num(e.get("seconds"))]
+
+    blocked, commits, waits = secs("save"), secs("save_commit"), secs("save_wait")
+    saves = [e for e in events if e.get("event") == "save"]
+    return {
+        "count": len(blocked),
+        "background": sum(bool(e.get("background")) for e in saves),
+        "blocked_median_s": statistics.median(blocked) if blocked else None,
+        "blocked_max_s": max(blocked, default=None),
+        "blocked_total_s": round(sum(blocked) + sum(waits), 3),
+        "committed_median_s": statistics.median(commits) if commits else None,
+    }
+
+
+def format_saves(s: dict[str, Any]) -> str:
+    """One sentence on the checkpoint saves (the report's goodput section)."""
+    if not s["count"]:
+        return "No checkpoint saved yet."
+    how = ("in the background" if s["background"] == s["count"]
+           else "synchronously" if not s["background"] else f"{s['background']} in the background")
+    text = (f"Checkpoint saves: {s['count']} ({how}); each blocked training "
+            f"{s['blocked_median_s']:.3f} s (median; longest {s['blocked_max_s']:.3f} s; "
+            f"{s['blocked_total_s']:.2f} s in all, waits before a stop or the end included)")
+    if s["committed_median_s"] is not None:
+        text += f"; written and committed in {s['committed_median_s']:.3f} s (median)"
+    return text + "."
 
 
 def format_goodput(g: dict[str, Any]) -> str:
@@ -213,6 +250,8 @@ def format_goodput(g: dict[str, Any]) -> str:
     lines += ["", f"Goodput (productive / total): **{share}**; seconds, queue = waits before "
               "and between attempts; unaccounted "
               f"{g['unaccounted']:.1f} s."]
+    if "saves" in g:
+        lines += ["", format_saves(g["saves"])]
     return "\n".join(lines)
 
 

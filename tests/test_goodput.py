@@ -104,3 +104,29 @@ def test_the_eval_report_has_the_goodput_section(run_dir: Path) -> None:
          "final_train_loss": None, "step": 4, "lm_eval": {}, "samples": []}
     text = _report("r", m, METRICS, goodput(run_dir))
     assert "## Goodput" in text and "| 2 | done | 3–4 |" in text
+
+
+def test_background_saves_count_what_training_waited(tmp_path: Path) -> None:
+    """With train.checkpoint_async the ``save`` events carry only the staging; the wait before
+    the end is a ``save_wait``; both are the ``save`` part, and the report says what blocked."""
+    run = tmp_path / "r"
+    run.mkdir()
+    events = [
+        {"event": "start", "time": 10.0, "resumed_from": 0, "attempt": 1},
+        {"event": "save", "time": 13.1, "step": 2, "seconds": 0.1, "background": True},
+        {"event": "save_commit", "time": 13.9, "step": 2, "seconds": 0.9},
+        {"event": "save", "time": 15.3, "step": 4, "seconds": 0.3, "background": True},
+        {"event": "save_commit", "time": 16.4, "step": 4, "seconds": 1.1},
+        {"event": "save_wait", "time": 16.4, "step": 4, "seconds": 1.1},
+        {"event": "finish", "time": 17.0, "step": 4},
+    ]
+    metrics = [{"step": s, "time": 10.0 + s + (0.1 if s > 2 else 0), "step_time_s": 1.0}
+               for s in range(1, 5)]
+    g = goodput(run, events=events, metrics=metrics)
+    assert g["save"] == pytest.approx(0.1 + 0.3 + 1.1)
+    assert g["saves"] == {"count": 2, "background": 2, "blocked_median_s": pytest.approx(0.2),
+                          "blocked_max_s": 0.3, "blocked_total_s": 1.5,
+                          "committed_median_s": pytest.approx(1.0)}
+    text = format_goodput(g)
+    assert "Checkpoint saves: 2 (in the background); each blocked training 0.200 s" in text
+    assert "written and committed in 1.000 s (median)" in text
