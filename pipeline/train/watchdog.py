@@ -209,7 +209,7 @@ class Watch:
         if not self.limits.on:
             return []
         now = time.monotonic()
-        stale = []
+        stale, fresh = [], []
         for pid in children(self.torchrun_pid):
             rec = self._heartbeat(pid)
             key = None if rec is None else (rec.get("step"), rec.get("phase"), rec.get("time"))
@@ -220,13 +220,16 @@ class Watch:
                 self._seen[pid] = seen = (key, now if rec is not None else self.began)
             phase = "start" if rec is None else str(rec.get("phase", "train"))
             limit = self.limits.of(phase)
-            if now - seen[1] > limit:
-                st = _stat(pid)
-                stale.append(Stale(
-                    rank=self._ranks.get(pid), pid=pid, host=self.host,
-                    step=None if rec is None else rec.get("step"), phase=phase,
-                    stale_s=now - seen[1], limit_s=limit,
-                    state=PROC_STATES.get(st[1], st[1]) if st else "gone"))
+            st = _stat(pid)
+            entry = Stale(rank=self._ranks.get(pid), pid=pid, host=self.host,
+                          step=None if rec is None else rec.get("step"), phase=phase,
+                          stale_s=now - seen[1], limit_s=limit,
+                          state=PROC_STATES.get(st[1], st[1]) if st else "gone")
+            (stale if now - seen[1] > limit else fresh).append(entry)
+        if stale:
+            # A stopped rank is frozen however recent its last heartbeat (heartbeats are
+            # throttled, so the rank blocked waiting for it may look older): name it too.
+            stale += [f for f in fresh if f.state.startswith("stopped")]
         return _suspects(stale)
 
 
