@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -380,6 +381,11 @@ class Trainer:
 
     def close(self) -> None:
         """Recorder, sample log, process group, then the run lock (safe after a failed build)."""
+        # Training is over: a time-limit warning arriving now has nothing to stop. Ignored, not
+        # handled: Python's shutdown puts handled signals back to their default (terminate), and
+        # a warning landing in that window killed a finished rank (rc 1, a needless requeue).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         ckpt = getattr(self, "ckpt", None)
         if ckpt is not None and ckpt.inflight is not None:
             # Ending on an error with a save in flight: finish it if the other ranks do too
