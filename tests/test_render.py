@@ -166,7 +166,8 @@ def test_plan_states_the_mixture_and_what_happens_when_a_source_runs_out():
                                               "prose": {"train": {"tokens": 12_800}}}}
 
     def line(train, manifest):
-        md = render_run(config_with(data={"sources": sources}, train=train), vocab_size=1024,
+        md = render_run(config_with(data={"sources": sources}, train={"max_steps": 200, **train}),
+                        vocab_size=1024,
                         manifest=manifest)["plan.md"]
         return next(x for x in md.splitlines() if x.startswith("- Data:"))
 
