@@ -21,6 +21,7 @@ from pipeline import artifacts as af
 from pipeline.errors import PipelineError
 from pipeline.goodput import format_goodput, goodput
 from pipeline.io import write_json_atomic, write_text_atomic
+from pipeline.mixture import mixture_shares, source_sizes
 
 # No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
 PROMPTS = ("def", "import", "class", "    for", "if __name__ ==", "The")
@@ -293,6 +294,40 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _str_keyed(d: Any, ok: Any) -> bool:
+    return isinstance(d, dict) and bool(d) and all(isinstance(k, str) and ok(v)
+                                                   for k, v in d.items())
+
+
+def run_mixture(run_dir: Path, manifest: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Each source's target and consumed share of the training tokens: the target from the
+    run's ``train.mixture`` (``config.json``; none: in proportion to the manifest's counts),
+    consumed from ``train.done``'s ``tokens_by_source`` (None where training did not record
+    it). A malformed field counts as absent: the report shows what is known."""
+    config = af.read_json_or_none(run_dir / af.RUN_CONFIG)
+    train = config.get("train") if isinstance(config, dict) else None
+    mixture = train.get("mixture") if isinstance(train, dict) else None
+    done = af.read_json_or_none(run_dir / af.TRAIN_DONE)
+    consumed = done.get("tokens_by_source") if isinstance(done, dict) else None
+    sizes = source_sizes(manifest)
+    if not _str_keyed(mixture, lambda v: _number(v) and v > 0):
+        mixture = None
+    if not _str_keyed(consumed, lambda v: type(v) is int and v >= 0):
+        consumed = None
+    return mixture_shares(sizes, mixture, consumed)
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f} %"
+
+
+def format_mixture(shares: dict[str, dict[str, float | None]]) -> list[str]:
+    """The report's table of the data mixture (target vs consumed share per source)."""
+    return ["| source | target share | consumed share |", "|---|---|---|",
+            *[f"| {n} | {_pct(s['target'])} | {_pct(s['consumed'])} |"
+              for n, s in shares.items()]]
+
+
 def generate_samples(model: Any, tokenizer: Any, prompts: tuple[str, ...] = PROMPTS,
                      seed: int = SAMPLE_SEED) -> list[dict[str, Any]]:
     """One sample per prompt (:data:`SAMPLING`), each from the same seed: reproducible."""
@@ -346,6 +381,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
             "step": origin["step"],
             "checkpoint_manifest_sha256": origin["checkpoint_manifest_sha256"],
             "final_train_loss": _final_loss(records),
+            "mixture": run_mixture(run_dir, val.manifest),
             "samples": samples,
         }
         write_json_atomic(tmp / af.EVAL_METRICS, metrics)
@@ -401,6 +437,9 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]],
         lines.append("")
     elif "skipped" in harness:
         lines += [f"lm-eval: {harness['skipped']}", ""]
+    if m.get("mixture"):
+        lines += ["## Data mixture (share of training tokens)", "", *format_mixture(m["mixture"]),
+                  ""]
     if gp is not None:
         # Where the training's wall time went (pipeline.goodput): attempts, saves, lost work.
         lines += ["## Goodput", "", format_goodput(gp), ""]

@@ -22,6 +22,7 @@ from pipeline.distenv import torchrun_argv
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge, write_json_atomic, write_text_atomic
 from pipeline.launchopts import LaunchOptions
+from pipeline.mixture import mixture_plan_line
 from pipeline.plan import (
     BatchSpec,
     Cluster,
@@ -111,10 +112,13 @@ def submission_preview(run: RunConfig) -> dict[str, Any]:
     return {"sbatch_argv": sub.command(), "sbatch_script": sub.script}
 
 
-def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
+def render_run(run: RunConfig, *, vocab_size: int,
+               manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the render stage writes for one run, as a dict of file name → content.
 
-    Pure: the same run and vocabulary give the same files (golden-tested). Raises
+    ``manifest``: the data manifest, when tokenized (plan.md's mixture line then counts the
+    passes over each source, or the step a source runs out at; without it, only the setting).
+    Pure: the same run, vocabulary and manifest give the same files (golden-tested). Raises
     ``PipelineError`` listing every pre-flight problem (batch arithmetic, divisibility, memory,
     DeepSpeed keys the installed engine does not know).
     """
@@ -157,7 +161,8 @@ def render_run(run: RunConfig, *, vocab_size: int) -> dict[str, Any]:
     files: dict[str, Any] = {
         "config.json": run.model_dump(mode="json"),
         "topology.json": render_topology(plan.dims, seq_len=run.data.seq_len),
-        "plan.md": render_plan_md(plan),
+        "plan.md": render_plan_md(plan, mixture_plan_line(
+            manifest, run.train, plan.dims.global_batch_size)),
         "plan.json": plan.as_dict(),
         "launch.json": {
             "per_node_argv": torchrun_argv(
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", help="run name (a key of runs:), with --config")
     p.add_argument("--out", type=Path, required=True, help="output dir, e.g. results/runs/NAME")
     vocab = p.add_mutually_exclusive_group()
-    vocab.add_argument("--data-manifest", type=Path, help="results/data/manifest.json (vocab size)")
+    vocab.add_argument("--data-manifest", type=Path,
+                       help="results/data/manifest.json (vocab size, per-source counts)")
     vocab.add_argument("--vocab-size", type=int, help="vocabulary size, without a manifest")
     args = p.parse_args(argv)
     try:
@@ -253,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             af.check_data_manifest(manifest, args.data_manifest)
             vocab_size = manifest["tokenizer"]["vocab_size"]
         else:
+            manifest = None
             vocab_size = args.vocab_size or run.data.tokenizer.vocab_size
             if vocab_size < 1:
                 raise PipelineError(f"--vocab-size {vocab_size} must be at least 1")
-        files = render_run(run, vocab_size=vocab_size)
+        files = render_run(run, vocab_size=vocab_size, manifest=manifest)
         check_run_out(args.out, run.name)
         try:
             write_rendered(files, args.out)

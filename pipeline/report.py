@@ -7,7 +7,8 @@ results/report.html`` reads each run's files (``metrics.jsonl``, ``events.jsonl`
 * every run's training loss against tokens seen, overlaid (one PNG, embedded), with each run's
   validation loss as a point at its last step;
 * a table: validation loss, perplexity, bits per byte, lm-eval scores (one column per task and
-  metric any run has), median tokens/s, goodput (``pipeline.goodput``), GPU-hours (processes ×
+  metric any run has), the data mixture (each source's consumed share of the training tokens
+  against its target, from the evaluation), median tokens/s, goodput (``pipeline.goodput``), GPU-hours (processes ×
   the wall time of the run's attempts) and the steps and tokens trained;
 * each run linked to its own report (``runs/<run>/eval/report.md``) and its plots
   (``runs/<run>/eval/loss.png``), by paths relative to the page.
@@ -73,12 +74,30 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         "lm_eval": {(task, key): v for task, r in lm.items() if isinstance(r, dict)
                     for key, v in r.items() if _num(v) and not key.endswith("_stderr")
                     and "stderr" not in key},
+        "mixture": _mixture(ev.get("mixture")),
         "tokens_per_s": statistics.median(tps) if tps else None,
         "goodput": gp["goodput"],
         "gpu_hours": world * wall / 3600 if gp["attempts"] else None,
         "report": (run_dir / af.EVAL_DIR / "report.md").is_file(),
         "plot": (run_dir / af.EVAL_DIR / "loss.png").is_file(),
     }
+
+
+def _mixture(shares: Any) -> list[tuple[str, Any, Any]]:
+    """(source, consumed, target) of eval/metrics.json's ``mixture`` (pipeline.evaluate)."""
+    if not isinstance(shares, dict):
+        return []
+    return [(str(n), s.get("consumed"), s.get("target")) for n, s in shares.items()
+            if isinstance(s, dict)]
+
+
+def _pct(v: Any) -> str:
+    return f"{100 * v:.1f} %" if _num(v) else "–"
+
+
+def _mixture_cell(mix: list[tuple[str, Any, Any]]) -> str:
+    return "<br>".join(f"{html.escape(n)} {_pct(c)} (target {_pct(t)})"
+                       for n, c, t in mix) or "–"
 
 
 def loss_plot_png(runs: list[dict[str, Any]]) -> bytes:
@@ -124,8 +143,10 @@ def render_html(runs: list[dict[str, Any]], run_dirs: list[Path], page: Path) ->
     """The page (see the module docstring)."""
     e = html.escape
     lm_cols = sorted({k for r in runs for k in r["lm_eval"]})
+    mix_col = any(r["mixture"] for r in runs)
     head = ["run", "engine", "processes", "steps", "tokens", "train loss", "val loss",
-            "perplexity", "bits/byte", *[f"{t} {m}" for t, m in lm_cols], "tokens/s",
+            "perplexity", "bits/byte", *[f"{t} {m}" for t, m in lm_cols],
+            *(["data consumed (target)"] if mix_col else []), "tokens/s",
             "goodput", "GPU-hours", "plots"]
     rows = []
     for r, d in zip(runs, run_dirs, strict=True):
@@ -138,6 +159,7 @@ def render_html(runs: list[dict[str, Any]], run_dirs: list[Path], page: Path) ->
                  _fmt(r["tokens"], ",d"), _fmt(r["train_loss"], ".4f"), _fmt(r["val_loss"], ".4f"),
                  _fmt(r["perplexity"], ".2f"), _fmt(r["bits_per_byte"], ".3f"),
                  *[_fmt(r["lm_eval"].get(k), ".4f") for k in lm_cols],
+                 *([_mixture_cell(r["mixture"])] if mix_col else []),
                  _fmt(r["tokens_per_s"], ",.0f"),
                  "–" if r["goodput"] is None else f"{100 * r['goodput']:.1f} %",
                  _fmt(r["gpu_hours"], ".4f"), thumb]

@@ -68,7 +68,7 @@ def test_default_config_defines_two_runs_sharing_data():
         (with_(train__backend="megatron"), "train.backend"),
         (with_(train__global_batch_size=15), "train.global_batch_size (15) must equal"),
         (with_(data__seq_len=1), "data.seq_len"),
-        (with_(model__num_heads=3), "model.num_heads"),
+        (with_(model__num_heads=5), "model.num_heads"),
         ({**DEFAULT, "runs": {"a": {"train": {"lrr": 1.0}}}}, "runs.a.train.lrr: unknown key"),
         ({**DEFAULT, "runs": {"a b;": {}}}, "run name 'a b;'"),
         ({k: v for k, v in DEFAULT.items() if k != "data"}, "data: required key is missing"),
@@ -124,14 +124,14 @@ def test_planner_keys_name_config_fields():
 
 
 def test_a_later_files_runs_replace_the_earlier_runs_and_the_rest_merges():
-    user = {"train": {"lr": 1e-3}, "runs": {"solo": {"train": {"max_steps": 20}}}}
+    user = {"train": {"lr": 1e-3}, "runs": {"solo": {"train": {"max_steps": 40}}}}
     merged = merge_config(DEFAULT, user)
     assert list(merged["runs"]) == ["solo"]
     assert merged["train"]["lr"] == 1e-3
     assert merged["train"]["backend"] == DEFAULT["train"]["backend"]  # deep-merged
     assert merge_config(DEFAULT, {"train": {"lr": 1e-3}})["runs"] == DEFAULT["runs"]
     cfg = parse_config(merged)
-    assert cfg.run_names() == ["solo"] and cfg.run("solo").train.max_steps == 20
+    assert cfg.run_names() == ["solo"] and cfg.run("solo").train.max_steps == 40
 
 
 def test_workflow_config_reads_the_default_here_then_each_file(tmp_path, monkeypatch):

@@ -52,3 +52,29 @@ def test_read_metrics_keeps_integer_steps_and_the_plots_only_numbers(tmp_path: P
     assert [r["step"] for r in recs] == [1, 4]
     assert _series(recs, "step", "lr") == ([1], [0.1])
     assert _final_loss(recs) == 5.0
+
+
+def test_report_shows_each_sources_target_and_consumed_share(tmp_path: Path) -> None:
+    """The run's train.mixture (config.json) is the target, train.done's tokens_by_source the
+    consumed share; a run without either is proportional / not known."""
+    import json
+
+    from pipeline.evaluate import _report, run_mixture
+
+    manifest = {"seq_len": 4, "by_source": {"code": {"train": {"tokens": 900}},
+                                            "prose": {"train": {"tokens": 100}}}}
+    run = tmp_path / "r"
+    run.mkdir()
+    assert run_mixture(run, manifest) == {"code": {"target": 0.9, "consumed": None},
+                                          "prose": {"target": 0.1, "consumed": None}}
+    (run / "config.json").write_text(json.dumps({"train": {"mixture": {"code": 1, "prose": 1}}}))
+    (run / "train.done").write_text(json.dumps({"tokens_by_source": {"code": 600, "prose": 400}}))
+    shares = run_mixture(run, manifest)
+    assert shares == {"code": {"target": 0.5, "consumed": 0.6},
+                      "prose": {"target": 0.5, "consumed": 0.4}}
+    (run / "train.done").write_text(json.dumps({"tokens_by_source": {"code": "many"}}))
+    assert run_mixture(run, manifest)["code"]["consumed"] is None  # malformed: not known
+    m = {"perplexity": 9.0, "loss": 2.2, "tokens": 10, "vocab_size": 8, "step": 3,
+         "final_train_loss": None, "samples": [], "mixture": shares}
+    md = _report("r", m, [])
+    assert "| code | 50.0 % | 60.0 % |" in md and "| prose | 50.0 % | 40.0 % |" in md

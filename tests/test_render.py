@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -152,3 +153,32 @@ def test_auto_turns_activation_checkpointing_on_before_offload_and_writes_it():
     assert not train["offload_optimizer"] and not train["offload_params"]
     assert (train["tp"], train["pp"]) == (1, 1)
     assert "activation checkpointing chosen by the planner" in files["plan.md"]
+
+
+def test_plan_states_the_mixture_and_what_happens_when_a_source_runs_out():
+    """plan.md's data line: the weights and train.on_source_exhausted always; with the data
+    manifest (what the render rule passes), the passes over each source or the step a
+    source runs out at."""
+    sources = [{"name": "code", "path": "<stdlib>/[a-c]*.py", "format": "txt"},
+               {"name": "prose", "path": "<stdlib>/[d-f]*.py", "format": "txt"}]
+    # 1,000 and 100 sequences of 128 tokens; global batch 16 × 200 steps = 3,200 drawn.
+    manifest = {"seq_len": 128, "by_source": {"code": {"train": {"tokens": 128_000}},
+                                              "prose": {"train": {"tokens": 12_800}}}}
+
+    def line(train, manifest):
+        md = render_run(config_with(data={"sources": sources}, train={"max_steps": 200, **train}),
+                        vocab_size=1024,
+                        manifest=manifest)["plan.md"]
+        return next(x for x in md.splitlines() if x.startswith("- Data:"))
+
+    weights = {"mixture": {"code": 3, "prose": 1}}
+    assert line(weights, None) == (
+        "- Data: code 75%, prose 25% (train.mixture); a source that runs out starts over, "
+        "reshuffled (train.on_source_exhausted: repeat)")
+    assert line(weights, manifest).endswith(
+        "; passes over each source in 200 steps: code 2.40×, prose 8.00×")
+    stop = line({**weights, "on_source_exhausted": "stop"}, manifest)
+    assert "a source that runs out ends training (train.on_source_exhausted: stop)" in stop
+    step = int(re.search(r"it stops at step (\d+) of 200$", stop).group(1))
+    assert 24 <= step <= 25  # prose's 100 sequences at 4 of every 16
+    assert line({}, manifest).startswith("- Data: in proportion to tokens (train.mixture)")

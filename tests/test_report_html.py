@@ -51,6 +51,9 @@ def fake_run(root: Path, name: str, bpb: float, lm_eval: bool) -> Path:
           "lm_eval": ({"results": {"zerosnake_heldout_continuation": {
               "acc,none": 0.41, "acc_stderr,none": 0.06}}} if lm_eval else
               {"skipped": "the lm-eval package is not installed"})}
+    if lm_eval:  # and one run evaluated before the mixture was reported
+        ev["mixture"] = {"code": {"target": 0.75, "consumed": 0.7471},
+                         "<prose>": {"target": 0.25, "consumed": 0.2529}}
     (d / "eval" / "metrics.json").write_text(json.dumps(ev))
     (d / "eval" / "report.md").write_text(f"# Run `{name}`\n")
     fig, ax = plt.subplots(figsize=(3, 2))
@@ -127,6 +130,15 @@ def test_batch_page_renders_in_a_browser_with_every_run_and_image(page, tmp_path
 
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 50
+
+
+def test_batch_table_shows_each_runs_consumed_and_target_data_shares(page):
+    text = page.read_text()
+    assert "<th>data consumed (target)</th>" in text
+    row = re.search(r'<tr data-run="fsdp">(.*?)</tr>', text, re.S).group(1)
+    assert "code 74.7 % (target 75.0 %)<br>&lt;prose&gt; 25.3 % (target 25.0 %)" in row
+    old = re.search(r'<tr data-run="deepspeed">(.*?)</tr>', text, re.S).group(1)
+    assert old.count("<td>–</td>") >= 2  # no mixture in its metrics.json (nor lm-eval)
 
 
 def test_report_cli_names_a_missing_run(tmp_path):

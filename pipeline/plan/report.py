@@ -18,8 +18,11 @@ def _row(r: Rung, verdict: str) -> str:
             f"**{_gb(m.total)}** | {_gb(m.host_per_node)} | {verdict} |")
 
 
-def render_plan_md(plan: Plan) -> str:
-    """The plan as Markdown: inputs, chosen strategy, per-GPU breakdown, rejected rungs, notes."""
+def render_plan_md(plan: Plan, data_line: str | None = None) -> str:
+    """The plan as Markdown: inputs, chosen strategy, per-GPU breakdown, rejected rungs, notes.
+
+    ``data_line``: a bullet on the training data placed after the training line (render's
+    mixture line, :func:`pipeline.mixture.mixture_plan_line`; the planner alone has none)."""
     m, d, c, b = plan.model, plan.dims, plan.cluster, plan.batch
     # "model states" = params + grads + optimizer, the ZeRO paper's Table 1 figure.
     head = ("| strategy | params | grads | optimizer | model states | activations | buffers | "
@@ -36,6 +39,7 @@ def render_plan_md(plan: Plan) -> str:
         f"{d.grad_accum}, global batch {d.global_batch_size} sequences "
         f"({d.global_batch_size * b.seq_len:,} tokens) per step, {b.precision}, activation "
         f"checkpointing {_checkpointing(plan)}",
+        *([data_line] if data_line else []),
         f"- Accounting: `{plan.accounting}`; budget {_gb(plan.gpu_budget)} GB/GPU "
         f"({c.gpu_mem_gb:g} − {c.gpu_reserved_gb:g} reserved, {plan.headroom:.0%} headroom), "
         f"{_gb(plan.host_budget)} GB host/node",
