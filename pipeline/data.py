@@ -23,7 +23,6 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -215,11 +214,7 @@ class PackedDataset:
         return out
 
 
-#: Steps of rows the loader gathers at once, and the most bytes (int64) it holds ahead: enough
-#: to amortise the per-step overhead, small enough to stay in cache (8 MB buffers measured
-#: slower than gathering each step: every fresh buffer's pages fault in).
-PREFETCH_STEPS = 16
-PREFETCH_BYTES = 2 << 20
+
 class BatchLoader:
     """Deterministic, resumable micro batches for one data-parallel rank (see module doc).
 
@@ -273,13 +268,6 @@ class BatchLoader:
         self._chunk_drawn = (
             None if self.mixture is None else np.zeros(len(self.mixture.names), dtype=np.int64)
         )
-        self._drop_buffer()
-
-    def _drop_buffer(self) -> None:
-        """Forget the rows gathered ahead (after a restore: they may be of another position)."""
-        self._buf_at, self._buf_steps = 0, 0
-        self._buf_idx = np.zeros((0, self.micro_batch_size), dtype=np.int64)
-        self._buf_rows: Any = None
 
     @property
     def epoch(self) -> int:
@@ -351,31 +339,15 @@ class BatchLoader:
         return idx
 
     def next_batch(self) -> dict:
-        """This rank's next micro batch (a slice of rows gathered for several steps at once)."""
+        """This rank's next micro batch: its rows gathered straight into int64 (one pass).
 
-        step = self.micro_batch_size * self.dp_size
-        j = (self.cursor - self._buf_at) // step
-        if self.cursor < self._buf_at or j >= self._buf_steps:
-            self._fill()
-            j = 0
-        self.cursor += step
-        m = self.micro_batch_size
-        idx = self._buf_idx[j]
-        return {"input_ids": self._buf_rows[j * m : (j + 1) * m], "indices": idx.tolist()}
-
-    def _fill(self) -> None:
-        """Gather this rank's rows of the next steps in one pass: the per-step cost is then a
-        slice, and the rows are converted to int64 in bulk (issue 14: the loader against a
-        memmap read of the same rows)."""
+        Gathering several steps ahead (befa467, 16 steps) measured no faster than this in the
+        same run (bench/loader.py: 0.800 against 0.811 of memmap + torch), so it was reverted.
+        """
         import torch
 
-        m, step = self.micro_batch_size, self.micro_batch_size * self.dp_size
-        row_bytes = m * self.dataset.seq_len * 8
-        steps = max(1, min(PREFETCH_STEPS, PREFETCH_BYTES // row_bytes))
-        block = self.stream(self.cursor, steps * step).reshape(steps, self.dp_size, m)
-        self._buf_idx = block[:, self.dp_rank, :]
-        self._buf_rows = torch.from_numpy(self.dataset.rows_int64(self._buf_idx.reshape(-1)))
-        self._buf_at, self._buf_steps = self.cursor, steps
+        idx = self.next_indices()
+        return {"input_ids": torch.from_numpy(self.dataset.rows_int64(idx)), "indices": idx.tolist()}
 
     def __iter__(self) -> Iterator[dict]:
         while True:
@@ -467,7 +439,6 @@ class BatchLoader:
                 f"{mine}: resume with the same train.mixture"
             )
         self.cursor = int(state["cursor"])
-        self._drop_buffer()
         if self.mixture is not None:
             drawn = np.array([int(state["drawn"][n]) for n in self.mixture.names], dtype=np.int64)
             # Seed the chunk cache at the cursor with the saved counts (no search needed).
