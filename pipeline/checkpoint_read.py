@@ -14,7 +14,9 @@ Before (issue 14), a resume read the checkpoint twice: rank 0 hashed every file
    so that together the ranks verify the whole checkpoint;
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
-   to the next older checkpoint, as a corrupt file always did);
+   to the next older checkpoint, as a corrupt file always did; a DeepSpeed file whose checksum
+   matches but whose pickle names globals beyond the allow-list stops every rank with the same
+   error, as the engine's load did);
 4. the engine deserializes from the verified memory (:meth:`VerifiedFiles.dcp_filesystem` for
    DCP's reader, :meth:`VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine), and reads
    from disk only what no memory holds (files another rank verified, or beyond the memory
@@ -41,6 +43,7 @@ from typing import Any
 
 import xxhash
 
+from pipeline.errors import PipelineError
 from pipeline.fastio import ALIGN, DIGEST
 
 #: One read request: large enough that the disk streams, small enough that several are in
@@ -121,16 +124,28 @@ def _open(path: Path, direct: bool) -> tuple[int, bool]:
 
 
 def read_file(path: Path, size: int, *, direct: bool = True,
-              pool: ThreadPoolExecutor | None = None) -> memoryview:
+              pool: ThreadPoolExecutor | None = None,
+              in_file: bool = False) -> tuple[memoryview, int | None]:
     """The ``size`` bytes of ``path`` in page-aligned memory (an anonymous mmap, as O_DIRECT
     needs), read in :data:`CHUNK_BYTES` requests, several in flight when ``pool`` is given.
-    ``OSError`` if the file is not exactly ``size`` bytes long."""
+    ``OSError`` if the file is not exactly ``size`` bytes long.
+
+    ``in_file``: the memory is an in-memory file (``memfd_create``, Linux) whose descriptor
+    comes back too, so that ``torch.load(mmap=True)`` maps the verified bytes without a copy;
+    otherwise (and where there is no ``memfd_create``) the descriptor is None."""
     if size == 0:
         with open(path, "rb") as f:
             if f.read(1):
                 raise OSError(errno.EIO, f"{path} is longer than 0 bytes")
-        return memoryview(b"")
-    buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
+        return memoryview(b""), None
+    padded = -(-size // ALIGN) * ALIGN
+    mem_fd = None
+    if in_file and hasattr(os, "memfd_create"):
+        mem_fd = os.memfd_create(path.name, getattr(os, "MFD_CLOEXEC", 0))
+        os.ftruncate(mem_fd, padded)
+        buf = mmap.mmap(mem_fd, padded)
+    else:
+        buf = mmap.mmap(-1, padded)
     if size >= CHUNK_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while the reads fill it
     view = memoryview(buf)
@@ -155,9 +170,15 @@ def read_file(path: Path, size: int, *, direct: bool = True,
                   else map(chunk, offsets))
         if got != size or os.fstat(fd).st_size != size:
             raise OSError(errno.EIO, f"read {got} bytes, the manifest says {size}")
+        if mem_fd is not None:
+            os.ftruncate(mem_fd, size)  # the file's own length (the zip directory is at its end)
+    except BaseException:
+        if mem_fd is not None:
+            os.close(mem_fd)
+        raise
     finally:
         os.close(fd)
-    return view[:size]
+    return view[:size], mem_fd
 
 
 class _MemoryFile(io.RawIOBase):
@@ -205,15 +226,20 @@ class VerifiedFiles:
 
     root: Path
     data: dict[str, memoryview] = field(default_factory=dict)
+    fds: dict[str, int] = field(default_factory=dict)
+    """In-memory files holding ``data`` (:func:`read_file`'s ``in_file``), by the same path."""
     served: int = 0
     """Bytes the engine read from here rather than from disk."""
 
-    def get(self, path: str | os.PathLike) -> memoryview | None:
+    def _rel(self, path: str | os.PathLike) -> str | None:
         try:
-            rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(self.root)).as_posix()
+            return Path(os.path.abspath(path)).relative_to(os.path.abspath(self.root)).as_posix()
         except ValueError:
             return None
-        return self.data.get(rel)
+
+    def get(self, path: str | os.PathLike) -> memoryview | None:
+        rel = self._rel(path)
+        return None if rel is None else self.data.get(rel)
 
     @contextlib.contextmanager
     def open(self, path: str | os.PathLike) -> Iterator[io.RawIOBase]:
@@ -256,13 +282,17 @@ class VerifiedFiles:
             if view is None:
                 return load_ds_file_for_engine(path, map_location=map_location)
             self.served += len(view)
-            return load_ds_bytes(view, Path(path), map_location)
+            return load_ds_bytes(view, Path(path), map_location, self.fds.get(self._rel(path)))
 
         return load
 
     def release(self) -> None:
-        """Drop the kept bytes (after the engine loaded them)."""
+        """Drop the kept bytes (after the engine loaded them; tensors still mapped from an
+        in-memory file keep its pages)."""
         self.data.clear()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def ds_globals_refused(view: memoryview, name: Path) -> str | None:
@@ -282,15 +312,16 @@ def ds_globals_refused(view: memoryview, name: Path) -> str | None:
     return None
 
 
-def load_ds_bytes(view: memoryview, name: Path, map_location: Any = None) -> Any:
+def load_ds_bytes(view: memoryview, name: Path, map_location: Any = None,
+                  fd: int | None = None) -> Any:
     """A verified DeepSpeed ``*.pt`` file from memory: ``weights_only=True`` with
-    :data:`~pipeline.checkpoint_tensors.DS_GLOBALS` as the only extra globals."""
+    :data:`~pipeline.checkpoint_tensors.DS_GLOBALS` as the only extra globals. ``fd``: the
+    in-memory file holding ``view``, memory-mapped by ``torch.load`` (no copy of the tensors;
+    DeepSpeed's model-states file is loaded twice, and copies its tensors out anyway)."""
     import importlib
     import pickle
 
     import torch
-
-    from pipeline.errors import PipelineError
 
     why = ds_globals_refused(view, name)
     if why is not None:
@@ -301,6 +332,9 @@ def load_ds_bytes(view: memoryview, name: Path, map_location: Any = None) -> Any
         classes.append(getattr(importlib.import_module(module), attr))
     try:
         with torch.serialization.safe_globals(classes):
+            if fd is not None:
+                return torch.load(f"/proc/self/fd/{fd}", weights_only=True, mmap=True,
+                                  map_location=map_location)
             return torch.load(_MemoryFile(view), weights_only=True, map_location=map_location)
     except pickle.UnpicklingError as err:
         raise PipelineError(f"{name}: refused to unpickle ({str(err).splitlines()[0]})") from None
@@ -326,9 +360,11 @@ def _digest(view: memoryview) -> str:
 
 
 def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str], shared: set[str],
-                 *, budget: int | None = None) -> tuple[VerifiedFiles, str | None]:
+                 *, budget: int | None = None) -> tuple[VerifiedFiles, str | None, bool]:
     """Read and check this rank's files ``mine`` of the checkpoint ``path``; keep their bytes
-    (within ``budget``). Returns the kept bytes and the first failure, or None.
+    (within ``budget``). Returns the kept bytes, the first failure or None, and whether that
+    failure is a refusal (a DeepSpeed file that names globals beyond the allow-list: its
+    checksum matched, so the checkpoint is tampered with rather than torn) rather than damage.
 
     ``shared``: files other ranks read too, read through the page cache so that the node reads
     them from the disk once."""
@@ -342,30 +378,39 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str], 
             info = files[rel]
             size = info["bytes"]
             try:
-                view = read_file(path / rel, size, direct=rel not in shared and size >= SMALL_BYTES,
-                                 pool=pool)
+                # DeepSpeed's files go to torch.load(mmap=True) from an in-memory file.
+                view, fd = read_file(path / rel, size, pool=pool,
+                                     direct=rel not in shared and size >= SMALL_BYTES,
+                                     in_file=rel.startswith("ds/") and rel.endswith(".pt")
+                                     and kept + size <= budget)
             except OSError as err:
-                return out, f"{rel} could not be read ({err.strerror or err})"
+                return out, f"{rel} could not be read ({err.strerror or err})", False
             if DIGEST in info:
                 ok = _digest(view) == info[DIGEST]
             else:  # manifests written before the switch to xxh3
                 ok = hashlib.sha256(view).hexdigest() == info.get("sha256")
+            if fd is not None:
+                out.fds[rel] = fd  # closed by release(), also on a failure
             if not ok:
-                return out, f"{rel} does not match its checksum"
+                return out, f"{rel} does not match its checksum", False
             if rel.endswith(".pt") and rel.startswith("ds/"):
                 why = ds_globals_refused(view, path / rel)
                 if why is not None:
-                    return out, why
+                    return out, why, True
             if kept + size <= budget:
                 out.data[rel] = view
                 kept += size
-    return out, None
+    return out, None, False
 
 
 def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles, str | None]:
     """Collective: every rank verifies its share of ``path`` (:func:`assign`), then all ranks
     exchange their verdicts; every rank returns the same first failure (with the rank that
-    found it), or None with the bytes it kept. ``path`` passed rank 0's structural check."""
+    found it), or None with the bytes it kept. ``path`` passed rank 0's structural check.
+
+    A refusal (:func:`verify_local`) is raised on every rank as the same
+    :class:`~pipeline.errors.PipelineError`: a tampered checkpoint stops the run, as the
+    engine's allow-list always did, instead of being skipped like a damaged one."""
     import torch.distributed as dist
 
     from pipeline.checkpoint import MANIFEST, _manifest_entries
@@ -373,6 +418,7 @@ def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles,
 
     cache = VerifiedFiles(path)
     why: str | None
+    refused = False
     try:
         meta = read_json(path / MANIFEST)
         files = _manifest_entries(path, meta)
@@ -384,10 +430,14 @@ def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles,
         mine = assign(files, world, meta.get("world_size"))
         who = claims(files, world, meta.get("world_size"))
         shared = {rel for rel, ranks in who.items() if len(ranks) > 1}
-        cache, why = verify_local(path, files, mine[rank], shared)
+        cache, why, refused = verify_local(path, files, mine[rank], shared)
     verdicts: list[Any] = [None] * world
-    dist.all_gather_object(verdicts, why)
-    for r, v in enumerate(verdicts):
+    dist.all_gather_object(verdicts, (why, refused))
+    for v, r_refused in verdicts:
+        if r_refused:
+            cache.release()
+            raise PipelineError(v)
+    for r, (v, _) in enumerate(verdicts):
         if v is not None:
             cache.release()
             return cache, v if world == 1 else f"{v} (verified by rank {r})"

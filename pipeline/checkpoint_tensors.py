@@ -123,11 +123,15 @@ def _check_storage_paths(meta: Any, dcp_dir: Path, path: Any) -> None:
     storage = getattr(meta, "storage_data", None)
     if not isinstance(storage, dict):
         raise PipelineError(f"{path}: the DCP metadata has no storage index")
+    seen: set[Any] = set()  # thousands of entries, a few files: resolve each name once
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
+        if rel in seen:
+            continue
         if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
             raise PipelineError(f"{path}: the DCP storage index names {rel!r}, not a file of {dcp_dir}")
         inside(dcp_dir, rel)
+        seen.add(rel)
 
 
 def read_dcp_metadata(dcp_dir: Path, fs: Any = None) -> Any:
