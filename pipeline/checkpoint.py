@@ -122,7 +122,7 @@ def _present_files(path: Path) -> set[str] | str:
     return present
 
 
-def verify(path: Path) -> str | None:
+def verify(path: Path, *, contents: bool = True) -> str | None:
     """None if the checkpoint verifies, else the reason it does not (naming the file).
 
     Verified: the manifest is well formed and lists at least one file; its paths stay inside
@@ -130,7 +130,10 @@ def verify(path: Path) -> str | None:
     and missing); no symbolic links; every file has its listed size and checksum. The checksum
     guards against torn, truncated and corrupted files, not against someone who can also
     rewrite the manifest: what is read from a verified checkpoint is still only ever unpickled
-    through allow-lists (``pipeline.checkpoint_tensors``)."""
+    through allow-lists (``pipeline.checkpoint_tensors``).
+
+    ``contents=False``: the structure only (no file read but the manifest); a resume leaves the
+    checksums to the ranks that read the files (:mod:`pipeline.checkpoint_read`)."""
     if path.is_symlink():
         return f"{path.name} is a symbolic link (a checkpoint is a plain folder)"
     manifest = path / MANIFEST
@@ -158,6 +161,8 @@ def verify(path: Path) -> str | None:
         size = (path / rel).stat().st_size
         if size != info["bytes"]:
             return f"{rel} has {size} bytes, the manifest says {info['bytes']}"
+    if not contents:
+        return None
 
     def check(item: tuple[str, dict[str, Any]]) -> str | None:
         rel, info = item
@@ -176,10 +181,14 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def latest_valid(root: Path) -> tuple[int, Path] | None:
-    """The newest checkpoint whose manifest verifies; broken ones are skipped with a warning."""
+def latest_valid(root: Path, *, contents: bool = True,
+                 skip: frozenset[Path] = frozenset()) -> tuple[int, Path] | None:
+    """The newest checkpoint whose manifest verifies (``contents``: :func:`verify`'s), other
+    than those in ``skip``; broken ones are skipped with a warning."""
     for step, path in reversed(checkpoint_steps(root)):
-        why = verify(path)
+        if path in skip:
+            continue
+        why = verify(path, contents=contents)
         if why is None:
             return step, path
         log.warning("skipping checkpoint %s: %s", path, why)
@@ -355,13 +364,15 @@ def config_hash(run: RunConfig) -> str:
     return sha256_json(d)
 
 
-def resume_point(root: Path, chash: str, data_hash: str) -> tuple[int, Path] | None:
-    """The checkpoint to resume from, if any: the newest that verifies (rank 0, no collective).
+def resume_point(root: Path, chash: str, data_hash: str, *, contents: bool = True,
+                 skip: frozenset[Path] = frozenset()) -> tuple[int, Path] | None:
+    """The checkpoint to resume from, if any: the newest that verifies (rank 0, no collective;
+    ``contents`` and ``skip`` as in :func:`latest_valid`).
 
     Checkpoints of another config are moved aside (Snakemake reruns a run whose config changed:
     it must start fresh, not resume the old experiment). Checkpoints over other data are an
     error: resuming would silently mix datasets."""
-    found = latest_valid(root)
+    found = latest_valid(root, contents=contents, skip=skip)
     if found is None:
         return None
     meta = read_json(found[1] / MANIFEST)
@@ -417,30 +428,63 @@ class CheckpointManager:
                    background=run.train.checkpoint_async)
 
     def resume(self) -> Path | None:
-        """Collective: the checkpoint every rank resumes from (rank 0 removes half-written
-        folders, chooses with :func:`resume_point` and broadcasts its choice)."""
+        """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
+        folders, chooses with :func:`resume_point` (structure, config and data only) and
+        broadcasts its choice; every rank then verifies the files it will read and the ranks
+        agree (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads
+        anything. A checkpoint that fails is skipped for the next older one, with a warning.
+        The verified bytes wait for :meth:`load`."""
         import torch.distributed as dist
 
-        found = None
+        from pipeline.checkpoint_read import verify_collective
+
+        self._verified = None
+        skip: set[Path] = set()
         if self.rank == 0:
             clean_tmp(self.root)
-            found = resume_point(self.root, self.config_hash, self.data_hash)
-        box = [None if found is None else str(found[1])]
-        dist.broadcast_object_list(box, src=0)
-        return None if box[0] is None else Path(box[0])
+        while True:
+            found = None
+            if self.rank == 0:
+                found = resume_point(self.root, self.config_hash, self.data_hash,
+                                     contents=False, skip=frozenset(skip))
+            box = [None if found is None else str(found[1])]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return None
+            path = Path(box[0])
+            verified, why = verify_collective(path, self.rank, self.world_size)
+            if why is None:
+                self._verified = verified
+                return path
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", path, why)
+            skip.add(path)
 
     def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
         """Restore the engine, the loader and (same world size only) this rank's RNG from
-        ``path``, a folder that :meth:`resume` chose (so rank 0 verified all of it before any
-        rank reads it); returns the trainer's state saved with it. The engines unpickle
-        nothing but through allow-lists."""
+        ``path``, a folder that :meth:`resume` chose (so the ranks verified all of it before
+        any rank reads it); returns the trainer's state saved with it. The engine reads the
+        bytes this rank verified from memory (``extra["verified"]``), the rest from disk. The
+        engines unpickle nothing but through allow-lists."""
+        verified = getattr(self, "_verified", None)
+        self._verified = None
+        if verified is not None and verified.root != path:
+            verified = None
         saved_world = read_json(path / MANIFEST).get("world_size")
         extra: dict[str, Any] = {}
         if self.backend == "deepspeed" and saved_world != self.world_size:
             # ZeRO partitions do not reshard: load DeepSpeed's universal form of it instead.
+            if verified is not None:
+                verified.release()
             extra["universal"] = self._universal(path, saved_world)
+        elif verified is not None:
+            extra["verified"] = verified
         state = TrainerState.read(path / CKPT_TRAINER)
-        engine.load(path, {"scheduler": state.scheduler, **extra})
+        try:
+            engine.load(path, {"scheduler": state.scheduler, **extra})
+        finally:
+            if verified is not None:
+                verified.release()
         loader.load_state_dict(state.loader)
         if saved_world == self.world_size:
             load_rng(path, self.rank)

@@ -123,20 +123,26 @@ def _check_storage_paths(meta: Any, dcp_dir: Path, path: Any) -> None:
     storage = getattr(meta, "storage_data", None)
     if not isinstance(storage, dict):
         raise PipelineError(f"{path}: the DCP metadata has no storage index")
+    seen: set[Any] = set()  # thousands of entries, a few files: resolve each name once
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
+        if rel in seen:
+            continue
         if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
             raise PipelineError(f"{path}: the DCP storage index names {rel!r}, not a file of {dcp_dir}")
         inside(dcp_dir, rel)
+        seen.add(rel)
 
 
-def read_dcp_metadata(dcp_dir: Path) -> Any:
+def read_dcp_metadata(dcp_dir: Path, fs: Any = None) -> Any:
     """The ``Metadata`` of a DCP checkpoint folder, unpickled through the allow-list."""
-    return safe_reader(dcp_dir).read_metadata()
+    return safe_reader(dcp_dir, fs).read_metadata()
 
 
-def safe_reader(dcp_dir: Path) -> Any:
-    """A DCP ``FileSystemReader`` whose ``read_metadata`` goes through the allow-list."""
+def safe_reader(dcp_dir: Path, fs: Any = None) -> Any:
+    """A DCP ``FileSystemReader`` whose ``read_metadata`` goes through the allow-list; ``fs``:
+    the DCP ``FileSystem`` it reads through (the verified bytes of a resume,
+    ``pipeline.checkpoint_read``), DCP's own by default."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -157,7 +163,10 @@ def safe_reader(dcp_dir: Path) -> Any:
             meta.storage_meta.load_id = self.load_id
             return meta
 
-    return _SafeFileSystemReader(str(dcp_dir))
+    reader = _SafeFileSystemReader(str(dcp_dir))
+    if fs is not None:
+        reader.fs = fs
+    return reader
 
 
 def safe_planner(dcp_dir: Path) -> Any:
@@ -183,14 +192,15 @@ def safe_planner(dcp_dir: Path) -> Any:
     return _SafeLoadPlanner()
 
 
-def dcp_load(state: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False) -> None:
+def dcp_load(state: dict[str, Any], dcp_dir: Path, *, no_dist: bool = False,
+             fs: Any = None) -> None:
     """``dcp.load`` of ``state`` from ``dcp_dir`` with the allow-listed metadata reader and
     planner; a refusal on any rank comes out as its :class:`PipelineError`, not DCP's
-    ``CheckpointException`` with every rank's traceback."""
+    ``CheckpointException`` with every rank's traceback. ``fs`` as in :func:`safe_reader`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = safe_reader(dcp_dir)
+    reader = safe_reader(dcp_dir, fs)
     try:
         dcp.load(state, storage_reader=reader, planner=safe_planner(dcp_dir), no_dist=no_dist)
     except CheckpointException as err:

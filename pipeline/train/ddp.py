@@ -157,11 +157,16 @@ class DDPEngine:
         return {"scheduler": self.sched.state_dict()}, write
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from pipeline.checkpoint_tensors import dcp_load, read_dcp_metadata
+
+        # As FSDPEngine.load: the allow-listed reader, from the verified bytes after a resume.
+        verified = extra.get("verified")
+        fs = verified.dcp_filesystem() if verified is not None else None
+        read_dcp_metadata(ckpt / "dcp", fs)
         state = self._state()
-        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+        dcp_load(state, ckpt / "dcp", fs=fs)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         amp = dict(state["amp"])

@@ -185,11 +185,14 @@ class FSDPEngine:
 
         # Every rank reads the metadata through the allow-list first: a refusal is the same
         # clean error on all ranks, before any collective of the load. dcp_load reads it (and
-        # the non-tensor entries) through the same allow-lists.
-        read_dcp_metadata(ckpt / "dcp")
+        # the non-tensor entries) through the same allow-lists. After a resume's verification
+        # the reader serves the bytes this rank verified from memory, the rest from disk.
+        verified = extra.get("verified")
+        fs = verified.dcp_filesystem() if verified is not None else None
+        read_dcp_metadata(ckpt / "dcp", fs)
         msd, osd = get_state_dict(self.model, self.opt)
         state = {"model": msd, "optim": osd}
-        dcp_load(state, ckpt / "dcp")
+        dcp_load(state, ckpt / "dcp", fs=fs)
         set_state_dict(
             self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -309,13 +312,17 @@ class DeepSpeedEngine:
         # DeepSpeed's checkpoint engine loads with weights_only=False: every rank checks every
         # file's globals against the allow-list first (the same answer on all ranks), and the
         # engine's load goes through weights_only=True with DeepSpeed's few classes.
+        # After a resume's verification (``extra["verified"]``) the ranks have checked every
+        # file's globals already, and the engine reads the bytes this rank verified from memory.
         universal = extra.get("universal")
         if universal is not None:
             self._load_universal(Path(universal))
             return
-        check_ds_files(ckpt / "ds")
+        verified = extra.get("verified")
+        if verified is None:
+            check_ds_files(ckpt / "ds")
         ce = self.engine.checkpoint_engine
-        ce.load = load_ds_file_for_engine
+        ce.load = load_ds_file_for_engine if verified is None else verified.ds_loader()
         try:
             path, _ = self.engine.load_checkpoint(
                 str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True

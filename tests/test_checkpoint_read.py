@@ -1,0 +1,104 @@
+"""A resume's verification split over the ranks (pipeline.checkpoint_read): each rank checks the
+files it reads, every file is checked by some rank, and all ranks agree before any engine reads.
+
+The collective test runs the real ``CheckpointManager.resume`` on two gloo processes over
+checkpoint folders written by ``checkpoint.finalize`` (engine-shaped file names, random bytes:
+the engines' own resumes are covered by test_resume and test_chaos)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from pipeline import checkpoint as ck
+from pipeline import checkpoint_read as cr
+
+FILES = {
+    "dcp/__0_0.distcp": 3 << 20,  # rank 0's shard (large: read with O_DIRECT)
+    "dcp/__1_0.distcp": 3 << 20,  # rank 1's shard
+    "dcp/.metadata": 300,         # every rank
+    "trainer.json": 40,           # every rank
+    "extra/blob.bin": 5000,       # no rank claims it: still verified by one
+}
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    tmp = ck.tmp_dir(root, step)
+    for rel, size in FILES.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(os.urandom(size))
+    meta = {"world_size": 2, "config_hash": "cfg", "data_manifest_sha256": "data"}
+    return ck.finalize(root, step, meta, keep_last=5)
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))  # same size: only the checksum can tell
+
+
+def test_every_file_is_verified_by_some_rank_and_shards_by_their_own() -> None:
+    files = {rel: {"bytes": n} for rel, n in FILES.items()}
+    mine = cr.assign(files, 2, 2)
+    assert "dcp/__0_0.distcp" in mine[0] and "dcp/__0_0.distcp" not in mine[1]
+    assert "dcp/__1_0.distcp" in mine[1] and "dcp/__1_0.distcp" not in mine[0]
+    assert all(f in mine[0] and f in mine[1] for f in ("dcp/.metadata", "trainer.json"))
+    assert set(mine[0]) | set(mine[1]) == set(files)
+    # Saved by another world size: no shard belongs to a rank, all are still shared out.
+    other = cr.assign(files, 2, 4)
+    assert set(other[0]) | set(other[1]) == set(files)
+
+
+def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("pipeline.checkpoint").addHandler(Keep())
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    result = []
+    for root in roots:
+        manager = ck.CheckpointManager(Path(root), config_hash="cfg", data_hash="data",
+                                       keep_last=5, backend="fsdp", zero_stage=None,
+                                       rank=rank, world_size=2)
+        path = manager.resume()
+        verified = manager._verified
+        result.append({"path": None if path is None else Path(path).name,
+                       "kept": sorted(verified.data) if verified is not None else None})
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"result": result, "log": messages}))
+
+
+def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
+        tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    shard = tmp_path / "shard" / "checkpoints"    # newest: a byte of rank 1's shard flipped
+    unread = tmp_path / "unread" / "checkpoints"  # newest: a byte of a file no rank reads
+    alone = tmp_path / "alone" / "checkpoints"    # the only one, corrupt: no resume at all
+    for root in (shard, unread):
+        _checkpoint(root, 1)
+    _flip(_checkpoint(shard, 2) / "dcp/__1_0.distcp", (3 << 20) - 7)
+    _flip(_checkpoint(unread, 2) / "extra/blob.bin", 10)
+    _flip(_checkpoint(alone, 1) / "dcp/__0_0.distcp", 0)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), [str(shard), str(unread), str(alone)],
+                            str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, got in enumerate(ranks):
+        assert [x["path"] for x in got["result"]] == ["step-000001", "step-000001", None]
+        # Each rank kept what it verified of its own shard, for the engine to read from memory.
+        kept = got["result"][0]["kept"]
+        assert f"dcp/__{r}_0.distcp" in kept and f"dcp/__{1 - r}_0.distcp" not in kept
+    warnings = ranks[0]["log"]
+    assert any("step-000002" in w and "dcp/__1_0.distcp does not match its checksum "
+               "(verified by rank 1)" in w for w in warnings), warnings
+    assert any("step-000002" in w and "extra/blob.bin does not match" in w for w in warnings)
+    assert any("dcp/__0_0.distcp does not match its checksum (verified by rank 0)" in w
+               for w in warnings)
+    assert not ranks[1]["log"]  # rank 0 alone reports the skip
