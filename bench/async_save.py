@@ -40,6 +40,7 @@ def worker(run_dir: Path, repeats: int) -> None:
     import torch.distributed as dist
 
     from pipeline import checkpoint as ck
+    from pipeline.checkpoint_manager import CheckpointManager
     from pipeline.config_files import load_run_config
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
@@ -65,8 +66,8 @@ def worker(run_dir: Path, repeats: int) -> None:
     engine.train_step([ids])
     step_s = time.perf_counter() - t0
 
-    def manager(background: bool) -> ck.CheckpointManager:
-        m = ck.CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
+    def manager(background: bool) -> CheckpointManager:
+        m = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
                                          rank=env_.rank, world_size=env_.world_size)
         m.background = background
         return m

@@ -67,6 +67,7 @@ def worker(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from pipeline import checkpoint as ck
+    from pipeline.checkpoint_manager import CheckpointManager
     from pipeline.config_files import load_run_config
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
@@ -115,7 +116,7 @@ def worker(run_dir: Path) -> None:
     ck.finalize = timed("manifest_s", ck.finalize)
     dist.barrier()
     t0 = time.perf_counter()
-    manager = ck.CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
+    manager = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
                                            rank=env_.rank, world_size=env_.world_size)
     manager.save(engine, state)
     t_save = time.perf_counter() - t0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline import checkpoint as ck
 from pipeline import checkpoint_read as cr
+from pipeline.checkpoint_manager import CheckpointManager
 
 FILES = {
     "dcp/__0_0.distcp": 3 << 20,  # rank 0's shard (large: read with O_DIRECT)
@@ -64,7 +65,7 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     result = []
     for root in roots:
-        manager = ck.CheckpointManager(Path(root), config_hash="cfg", data_hash="data",
+        manager = CheckpointManager(Path(root), config_hash="cfg", data_hash="data",
                                        keep_last=5, backend="fsdp", zero_stage=None,
                                        rank=rank, world_size=2)
         path = manager.resume()

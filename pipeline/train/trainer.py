@@ -38,6 +38,7 @@ from pipeline.artifacts import (
     STOPPED,
     write_train_done,
 )
+from pipeline.checkpoint_manager import CheckpointManager
 from pipeline.config import RunConfig
 from pipeline.config_files import load_run_config
 from pipeline.distenv import RankEnv
@@ -183,7 +184,7 @@ class Trainer:
         self.loader = BatchLoader(dataset, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                                   dp_size=dp_size, seed=t.seed, mixture=t.mixture,
                                   on_exhausted=t.on_source_exhausted)
-        self.ckpt = ck.CheckpointManager.for_run(
+        self.ckpt = CheckpointManager.for_run(
             self.run_dir, self.run, data_hash=sha256_file(self.data_dir / DATA_MANIFEST),
             rank=env.rank, world_size=env.world_size)
         self._resume()

@@ -1,0 +1,240 @@
+"""The trainer's checkpoint policy over the folders of :mod:`pipeline.checkpoint`: which one to
+resume from, how a save runs across ranks (synchronously, or staged and written in the
+background: :mod:`pipeline.checkpoint_async`), what a load restores after every rank verified
+what it reads (:mod:`pipeline.checkpoint_read`). Collective methods import torch when called."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.artifacts import CHECKPOINTS, CKPT_TRAINER
+from pipeline.checkpoint import (
+    MANIFEST,
+    TrainerState,
+    clean_tmp,
+    config_hash,
+    finalize,
+    load_rng,
+    prune,
+    resume_point,
+    save_rng,
+    step_dir,
+    tmp_dir,
+)
+from pipeline.errors import PipelineError
+from pipeline.io import read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """One run's checkpoints as the trainer sees them: resume point, load, save, prune.
+
+    ``resume``, ``save`` and ``load`` are collective (every rank calls them, in the same order);
+    rank 0 alone chooses, writes manifests and prunes. The engine is anything with
+    ``save(folder) -> {"scheduler"?, "digests"?}`` and ``load(folder, extra)``
+    (``pipeline.train.engines.Engine``)."""
+
+    def __init__(self, root: Path, *, config_hash: str, data_hash: str, keep_last: int,
+                 backend: str, zero_stage: int | None, rank: int, world_size: int,
+                 background: bool = False) -> None:
+        self.root = root
+        self.background = background  # train.checkpoint_async: pipeline.checkpoint_async
+        self.inflight: Any = None  # the save whose files or manifest are still being written
+        self._pg: Any = None  # the gloo group of background commits (made at the first one)
+        self.config_hash = config_hash
+        self.data_hash = data_hash
+        self.keep_last = keep_last
+        self.backend = backend
+        self.zero_stage = zero_stage if backend == "deepspeed" else None
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
+                world_size: int) -> CheckpointManager:
+        """The manager of ``run_dir/checkpoints`` for the rendered ``run``."""
+        return cls(run_dir / CHECKPOINTS, config_hash=config_hash(run), data_hash=data_hash,
+                   keep_last=run.train.keep_last, backend=run.train.backend,
+                   zero_stage=run.train.zero_stage, rank=rank, world_size=world_size,
+                   background=run.train.checkpoint_async)
+
+    def resume(self) -> Path | None:
+        """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
+        folders, chooses with :func:`resume_point` (structure, config and data only) and
+        broadcasts its choice; every rank then verifies the files it will read and the ranks
+        agree (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads
+        anything. A checkpoint that fails is skipped for the next older one, with a warning.
+        The verified bytes wait for :meth:`load`."""
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_read import verify_collective
+
+        self._verified = None
+        skip: set[Path] = set()
+        if self.rank == 0:
+            clean_tmp(self.root)
+        while True:
+            found = None
+            if self.rank == 0:
+                found = resume_point(self.root, self.config_hash, self.data_hash,
+                                     contents=False, skip=frozenset(skip))
+            box = [None if found is None else str(found[1])]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return None
+            path = Path(box[0])
+            verified, why = verify_collective(path, self.rank, self.world_size)
+            if why is None:
+                self._verified = verified
+                return path
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", path, why)
+            skip.add(path)
+
+    def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
+        """Restore the engine, the loader and (same world size only) this rank's RNG from
+        ``path``, a folder that :meth:`resume` chose (so the ranks verified all of it before
+        any rank reads it); returns the trainer's state saved with it. The engine reads the
+        bytes this rank verified from memory (``extra["verified"]``), the rest from disk. The
+        engines unpickle nothing but through allow-lists."""
+        verified = getattr(self, "_verified", None)
+        self._verified = None
+        if verified is not None and verified.root != path:
+            verified = None
+        saved_world = read_json(path / MANIFEST).get("world_size")
+        extra: dict[str, Any] = {}
+        if self.backend == "deepspeed" and saved_world != self.world_size:
+            # ZeRO partitions do not reshard: load DeepSpeed's universal form of it instead.
+            if verified is not None:
+                verified.release()
+            extra["universal"] = self._universal(path, saved_world)
+        elif verified is not None:
+            extra["verified"] = verified
+        state = TrainerState.read(path / CKPT_TRAINER)
+        try:
+            engine.load(path, {"scheduler": state.scheduler, **extra})
+        finally:
+            if verified is not None:
+                verified.release()
+        loader.load_state_dict(state.loader)
+        if saved_world == self.world_size:
+            load_rng(path, self.rank)
+        return state
+
+    def _universal(self, path: Path, saved_world: Any) -> Path:
+        """Collective: rank 0 converts ``path`` to (or verifies) its universal sibling; every
+        rank gets the folder, or the same error."""
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_universal import ensure_universal, universal_dir
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            log.info("checkpoint %s was saved by %s DeepSpeed ranks, this job has %d: loading "
+                     "its universal conversion", path.name, saved_world, self.world_size)
+            try:
+                ensure_universal(path)
+            except PipelineError as err:
+                box = [str(err)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise PipelineError(box[0])
+        return universal_dir(path)
+
+    def save(self, engine: Any, state: TrainerState) -> Path:
+        """Collective: every rank writes into the tmp folder (engine files, its RNG), rank 0
+        the trainer state; rank 0 then gathers the writers' checksums and finalizes (manifest
+        last, rename into place, prune). ``state.scheduler`` is updated from the engine.
+
+        In the background (``train.checkpoint_async`` and an engine with ``save_async``): the
+        previous save is waited for first, then only the staging blocks; the files and the
+        commit follow in :mod:`pipeline.checkpoint_async` (:meth:`wait` for them). The folder
+        returned is where the checkpoint will be once committed."""
+        import torch.distributed as dist
+
+        if self.background and hasattr(engine, "save_async"):
+            return self._save_in_background(engine, state)
+        tmp = tmp_dir(self.root, state.step)
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        extra = engine.save(tmp)
+        state.scheduler = extra.get("scheduler")
+        save_rng(tmp, self.rank)
+        if self.rank == 0:
+            write_json_atomic(tmp / CKPT_TRAINER, state.to_json())
+        # Every rank's files are on disk (fsynced by the writer) before the manifest vouches
+        # for them; the checksums taken while writing travel to rank 0 with this gather.
+        digests: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(extra.get("digests", {}), digests, dst=0)
+        if self.rank == 0:
+            assert digests is not None
+            known = {k: v for d in digests for k, v in (d or {}).items()}
+            finalize(self.root, state.step, self._meta(state), self.keep_last, known)
+        dist.barrier()
+        return step_dir(self.root, state.step)
+
+    def _save_in_background(self, engine: Any, state: TrainerState) -> Path:
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_async import InFlight, commit_in_background
+
+        self.wait()  # at most one save in flight: its staging buffers are reused
+        if self._pg is None:  # collective: every rank's first save, in the same order
+            self._pg = dist.new_group(backend="gloo")
+        step, started = state.step, time.perf_counter()
+        tmp = tmp_dir(self.root, step)
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        now, write = engine.save_async(tmp, self._pg)
+        state.scheduler = now.get("scheduler")
+        save_rng(tmp, self.rank)
+        if self.rank == 0:
+            write_json_atomic(tmp / CKPT_TRAINER, state.to_json())
+        meta = self._meta(state)
+        commit = commit_in_background(
+            write, step=step, rank=self.rank, world_size=self.world_size, pg=self._pg,
+            finalize=lambda known: finalize(self.root, step, meta, self.keep_last, known))
+        self.inflight = InFlight(step, started, commit)
+        return step_dir(self.root, step)
+
+    def wait(self) -> tuple[int, float] | None:
+        """Collective when a save is in flight: wait until it is committed; returns its step and
+        the seconds from its start to the commit (None if none was in flight). Its failure is
+        raised here, as the same error on every rank."""
+        if self.inflight is None:
+            return None
+        done, self.inflight = self.inflight, None
+        return done.step, done.future.result()
+
+    def poll(self) -> tuple[int, float] | None:
+        """:meth:`wait` if the save in flight has finished, else None (never blocks)."""
+        if self.inflight is None or not self.inflight.future.done():
+            return None
+        return self.wait()
+
+    def _meta(self, state: TrainerState) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "zero_stage": self.zero_stage,
+            "world_size": self.world_size,
+            "config_hash": self.config_hash,
+            "data_manifest_sha256": self.data_hash,
+            "tokens_seen": state.tokens_seen,
+        }
+
+    def step_dir(self, step: int) -> Path:
+        """The folder of ``step``'s checkpoint."""
+        return step_dir(self.root, step)
+
+    def prune(self) -> list[Path]:
+        """Keep the newest ``keep_last`` checkpoints (rank 0; ``save`` does it after each)."""
+        return prune(self.root, self.keep_last) if self.rank == 0 else []
