@@ -23,48 +23,22 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.checkpoint import REPO, env
+from bench.checkpoint import add_model_args, run_bench_worker, start_engine
 
 
 def worker(run_dir: Path, repeats: int) -> None:
     """One rank under torchrun: one step, then sync and background saves in turn, timed."""
-    import os
-
     import torch
     import torch.distributed as dist
 
     from pipeline import checkpoint as ck
     from pipeline.checkpoint_manager import CheckpointManager
-    from pipeline.config_files import load_run_config
-    from pipeline.distenv import RankEnv
-    from pipeline.io import read_json
-    from pipeline.model import build_model
 
-    run_cfg = load_run_config(run_dir / "config.json")
-    env_ = RankEnv.from_env()
-    dist.init_process_group("gloo")
-    vocab = int(os.environ["BENCH_VOCAB"])
-    model = build_model(run_cfg.model, vocab_size=vocab, eos_id=0, bos_id=None, seed=0)
-    if run_cfg.train.backend == "deepspeed":
-        from pipeline.train.engines import DeepSpeedEngine
-
-        engine = DeepSpeedEngine(model, run_cfg, read_json(run_dir / "ds_config.json"))
-    else:
-        from pipeline.train.engines import FSDPEngine
-
-        engine = FSDPEngine(model, run_cfg, torch.device("cpu"))
-    g = torch.Generator().manual_seed(env_.rank)
-    ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len),
-                        generator=g)
-    t0 = time.perf_counter()
-    engine.train_step([ids])
-    step_s = time.perf_counter() - t0
+    run_cfg, env_, engine = start_engine(run_dir)
 
     def manager(background: bool) -> CheckpointManager:
         m = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
@@ -100,18 +74,14 @@ def worker(run_dir: Path, repeats: int) -> None:
         path = bg_m.step_dir(step)
         nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         (run_dir / "bench.json").write_text(json.dumps(
-            {"bytes": nbytes, "step_s": step_s, "rounds": rounds,
+            {"bytes": nbytes, "rounds": rounds,
              **{k: statistics.median(v) for k, v in rounds.items()}}))
     dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backends", default="fsdp,deepspeed")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temp dir (the disk)")
@@ -121,45 +91,17 @@ def main() -> None:
         worker(args.worker, args.repeats)
         return
 
-    import yaml
-
     work = Path(tempfile.mkdtemp(prefix="zs-bench-async-", dir=args.workdir))
     results: dict[str, dict] = {}
     try:
-        (work / "corpus.txt").write_text("x")
         for backend in args.backends.split(","):
-            cfg = {
-                "data": {"sources": [{"path": "corpus.txt", "format": "txt"}],
-                         "tokenizer": {"vocab_size": args.vocab}, "seq_len": 64},
-                "model": {"hidden_size": args.hidden, "intermediate_size": args.inter,
-                          "num_layers": args.layers, "num_heads": args.heads,
-                          "max_position_embeddings": 64},
-                "cluster": {"nodes": 1, "gpus_per_node": 2},
-                "train": {"backend": backend, "zero_stage": 2, "micro_batch_size": 1,
-                          "max_steps": 10, "warmup_steps": 1, "keep_last": 2},
-                "runs": {backend: {}},
-            }
-            (work / f"{backend}.yaml").write_text(yaml.safe_dump(cfg))
-            run = work / "runs" / backend
-            subprocess.run([sys.executable, "-m", "pipeline.render", "--config", f"{backend}.yaml",
-                            "--run", backend, "--out", str(run)], cwd=work, env=env(), check=True,
-                           capture_output=True)
-            res = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                 "2", "-m", "bench.async_save", "--worker", str(run), "--repeats",
-                 str(args.repeats)],
-                cwd=REPO, env={**env(), "BENCH_VOCAB": str(args.vocab)}, capture_output=True,
-                text=True, timeout=1200,
-            )
-            if res.returncode != 0:
-                raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
-            r = json.loads((run / "bench.json").read_text())
+            r = run_bench_worker(work, args, backend, "bench.async_save", "--repeats",
+                                 str(args.repeats), keep_last=2)
             results[backend] = r
-            print(f"{backend:9s} checkpoint {r['bytes'] / 1e6:6.0f} MB (one step: "
-                  f"{r['step_s']:.2f} s): synchronous save {r['sync_s']:.3f} s; background save "
+            print(f"{backend:9s} checkpoint {r['bytes'] / 1e6:6.0f} MB: "
+                  f"synchronous save {r['sync_s']:.3f} s; background save "
                   f"blocks {r['blocking_s']:.3f} s, done after {r['background_total_s']:.3f} s",
                   flush=True)
-            shutil.rmtree(run / "checkpoints", ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\nratios (training blocked by a background save / by a synchronous save; "

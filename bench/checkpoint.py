@@ -61,13 +61,13 @@ class _Loader:
         assert state == {"bench": True}
 
 
-def worker(run_dir: Path) -> None:
-    """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
+def start_engine(run_dir: Path) -> tuple[Any, Any, Any]:
+    """Under torchrun: the process group, the run's engine on a random-weight Llama of
+    ``BENCH_VOCAB`` tokens, one optimizer step taken (Adam's moments exist). Returns
+    ``(run config, RankEnv, engine)``; shared with ``bench.async_save``."""
     import torch
     import torch.distributed as dist
 
-    from pipeline import checkpoint as ck
-    from pipeline.checkpoint_manager import CheckpointManager
     from pipeline.config_files import load_run_config
     from pipeline.distenv import RankEnv
     from pipeline.io import read_json
@@ -76,22 +76,82 @@ def worker(run_dir: Path) -> None:
     run_cfg = load_run_config(run_dir / "config.json")
     env_ = RankEnv.from_env()
     dist.init_process_group("gloo")
-    device = torch.device("cpu")
     vocab = int(os.environ["BENCH_VOCAB"])
     model = build_model(run_cfg.model, vocab_size=vocab, eos_id=0, bos_id=None, seed=0)
     if run_cfg.train.backend == "deepspeed":
         from pipeline.train.engines import DeepSpeedEngine
 
-        engine = DeepSpeedEngine(model, run_cfg, read_json(run_dir / "ds_config.json"))
-        params = lambda: engine.engine.module.parameters()  # noqa: E731
+        engine: Any = DeepSpeedEngine(model, run_cfg, read_json(run_dir / "ds_config.json"))
     else:
         from pipeline.train.engines import FSDPEngine
 
-        engine = FSDPEngine(model, run_cfg, device)
-        params = lambda: engine.model.parameters()  # noqa: E731
+        engine = FSDPEngine(model, run_cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(env_.rank)
-    ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len), generator=g)
+    ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len),
+                        generator=g)
     engine.train_step([ids])
+    return run_cfg, env_, engine
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The benchmark model's shape (a Llama of ~110 M parameters by default)."""
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+
+
+def run_bench_worker(work: Path, args: argparse.Namespace, backend: str, module: str,
+                     *extra: str, **train: Any) -> dict[str, Any]:
+    """Render a run of ``backend`` for the model of ``args`` in ``work``, run ``module``'s
+    worker on it under ``torchrun --nproc-per-node 2``, return its ``bench.json`` (the run's
+    checkpoints are removed)."""
+    import yaml
+
+    cfg = {
+        "data": {"sources": [{"path": "corpus.txt", "format": "txt"}],
+                 "tokenizer": {"vocab_size": args.vocab}, "seq_len": 64},
+        "model": {"hidden_size": args.hidden, "intermediate_size": args.inter,
+                  "num_layers": args.layers, "num_heads": args.heads,
+                  "max_position_embeddings": 64},
+        "cluster": {"nodes": 1, "gpus_per_node": 2},
+        "train": {"backend": backend, "zero_stage": 2, "micro_batch_size": 1,
+                  "max_steps": 10, "warmup_steps": 1, **train},
+        "runs": {backend: {}},
+    }
+    (work / "corpus.txt").write_text("x")
+    (work / f"{backend}.yaml").write_text(yaml.safe_dump(cfg))
+    run = work / "runs" / backend
+    subprocess.run([sys.executable, "-m", "pipeline.render", "--config", f"{backend}.yaml",
+                    "--run", backend, "--out", str(run)], cwd=work, env=env(), check=True,
+                   capture_output=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", module, "--worker", str(run), *extra],
+        cwd=REPO, env={**env(), "BENCH_VOCAB": str(args.vocab)}, capture_output=True,
+        text=True, timeout=1200,
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
+    out = json.loads((run / "bench.json").read_text())
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    return out
+
+
+def worker(run_dir: Path) -> None:
+    """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline import checkpoint as ck
+    from pipeline.checkpoint_manager import CheckpointManager
+
+    run_cfg, env_, engine = start_engine(run_dir)
+    if run_cfg.train.backend == "deepspeed":
+        params = lambda: engine.engine.module.parameters()  # noqa: E731
+    else:
+        params = lambda: engine.model.parameters()  # noqa: E731
 
     def local(p: torch.Tensor) -> torch.Tensor:
         p = p.to_local() if hasattr(p, "to_local") else p
@@ -168,11 +228,7 @@ def dd(path: Path, nbytes: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap)
     ap.add_argument("--backends", default="fsdp,deepspeed")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temp dir (the disk)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -181,38 +237,11 @@ def main() -> None:
         worker(args.worker)
         return
 
-    import yaml
-
     work = Path(tempfile.mkdtemp(prefix="zs-bench-ckpt-", dir=args.workdir))
     results: dict[str, dict] = {}
     try:
-        (work / "corpus.txt").write_text("x")
         for backend in args.backends.split(","):
-            cfg = {
-                "data": {"sources": [{"path": "corpus.txt", "format": "txt"}],
-                         "tokenizer": {"vocab_size": args.vocab}, "seq_len": 64},
-                "model": {"hidden_size": args.hidden, "intermediate_size": args.inter,
-                          "num_layers": args.layers, "num_heads": args.heads,
-                          "max_position_embeddings": 64},
-                "cluster": {"nodes": 1, "gpus_per_node": 2},
-                "train": {"backend": backend, "zero_stage": 2, "micro_batch_size": 1,
-                          "max_steps": 10, "warmup_steps": 1},
-                "runs": {backend: {}},
-            }
-            (work / f"{backend}.yaml").write_text(yaml.safe_dump(cfg))
-            run = work / "runs" / backend
-            subprocess.run([sys.executable, "-m", "pipeline.render", "--config", f"{backend}.yaml",
-                            "--run", backend, "--out", str(run)], cwd=work, env=env(), check=True,
-                           capture_output=True)
-            res = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                 "2", "-m", "bench.checkpoint", "--worker", str(run)],
-                cwd=REPO, env={**env(), "BENCH_VOCAB": str(args.vocab)}, capture_output=True,
-                text=True, timeout=900,
-            )
-            if res.returncode != 0:
-                raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
-            r = json.loads((run / "bench.json").read_text())
+            r = run_bench_worker(work, args, backend, "bench.checkpoint")
             results[backend] = r
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
@@ -221,7 +250,6 @@ def main() -> None:
                   f"{'':10s}save = engine files {r['engine_s']:.2f} s + manifest (checksums, "
                   f"rename) {r['manifest_s']:.2f} s + rest; load = resume (each rank reads and "
                   f"checksums its files) {r['verify_s']:.2f} s + engine from memory", flush=True)
-            shutil.rmtree(run / "checkpoints", ignore_errors=True)
         size = max(r["bytes"] for r in results.values())
         w, rd = dd(work / "dd.bin", size)
         print(f"dd (direct I/O, {size / 1e6:.0f} MB, same directory): write {w:5.0f} MB/s, "

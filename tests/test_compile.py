@@ -40,6 +40,7 @@ RUNS = {
     "ddp": {"train": {"backend": "ddp"}},
     "ddp-compiled": {"train": {"backend": "ddp", "compile": True}},
     "nocxx": {"cluster": {"gpus_per_node": 1}, "train": {"compile": True}},
+    "pp-compiled": {"train": {"compile": True, "pp": 2}},  # one layer per stage
 }
 COMPILED = "train.compile: 2 decoder layers compiled"
 
@@ -56,7 +57,7 @@ def runs(data_dir) -> tuple[dict[str, Path], dict[str, str]]:
         run_cli("pipeline.render", "--config", str(work / "config.yaml"), "--run", name,
                 "--out", str(run_dir), "--data-manifest", str(data_dir / "manifest.json"))
     stderr, errors = {}, {}
-    for batch in (["fsdp", "ddp", "fsdp-compiled"], ["ddp-compiled"]):
+    for batch in (["fsdp", "ddp", "fsdp-compiled"], ["ddp-compiled", "pp-compiled"]):
         procs = {name: torchrun(dirs[name], data_dir, 2) for name in batch}
         for name, proc in procs.items():
             _, stderr[name] = proc.communicate(timeout=900)
@@ -130,3 +131,15 @@ def test_zero3_is_refused_before_anything_runs(tmp_path):
                          timeout=300)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "train.compile with ZeRO-3" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("name", ["fsdp-compiled", "ddp-compiled", "pp-compiled"])
+def test_every_rank_ran_compiled_graphs(runs, name):
+    """Dynamo's own count after the first step, gathered from every rank into the ``compile``
+    event: a pipeline stage (one decoder layer each here) compiled and ran its layer too."""
+    dirs, _ = runs
+    events = read_events(dirs[name], "compile")
+    assert len(events) == 1 and events[0]["step"] == 1, events
+    graphs = events[0]["graphs"]
+    assert len(graphs) == 2 and all(g > 0 for g in graphs), graphs
+    assert not read_events(dirs["fsdp"], "compile")

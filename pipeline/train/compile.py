@@ -91,3 +91,11 @@ def compile_decoder_layers(model: Any, run: RunConfig, device: torch.device | No
     log.info("train.compile: %d decoder layers compiled (torch.compile per layer, fullgraph)",
              len(todo))
     return len(todo)
+
+
+def compiled_graphs() -> int:
+    """Graphs this process compiled so far (Dynamo's count): the proof, after a step, that the
+    compiled code ran (the trainer records it per rank in a ``compile`` event)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

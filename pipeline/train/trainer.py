@@ -329,8 +329,12 @@ class Trainer:
         assert self.rec is not None
         t, state = self.run.train, self.state
         max_steps = self.loader.last_step(t.max_steps, t.grad_accum)  # on_source_exhausted: stop
+        first = True
         while state.step < max_steps:
             self.train_step()
+            if first and t.compile:
+                self._record_compiled()
+            first = False
             done = self.ckpt.poll()  # a background save that finished meanwhile
             if done is not None:
                 self._committed(*done)
@@ -345,6 +349,16 @@ class Trainer:
                 return EXIT_REQUEUE
         self.finish()
         return EXIT_OK
+
+    def _record_compiled(self) -> None:
+        """Collective: each rank's count of compiled graphs after its first step (train.compile
+        on every layout, pipeline stages included, must have run compiled code: > 0)."""
+        from pipeline.train.compile import compiled_graphs
+
+        assert self.rec is not None
+        graphs = [0] * self.env.world_size
+        dist.all_gather_object(graphs, compiled_graphs())
+        self.rec.event("compile", step=self.state.step, graphs=graphs)
 
     def finish(self) -> None:
         """After the last step: the probe logits, then (rank 0) ``train.done``."""
