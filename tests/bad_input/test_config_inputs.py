@@ -20,6 +20,8 @@ from tests.bad_input.conftest import REPO, assert_refused, run, snapshot
 
 DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 DEFAULT_TEXT = (REPO / "config" / "config.yaml").read_text()
+#: The default's own ``train.lr`` line, whatever its value (the cases below rewrite it).
+LR_LINE = next(line for line in DEFAULT_TEXT.splitlines() if line.startswith("  lr: "))
 
 
 def mutated(change: Callable[[dict], object]) -> str:
@@ -56,8 +58,8 @@ ALIAS_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
 # (id, file text, needles): the text is written to bad.yaml (bad.json for JSON) and checked.
 CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     # Floats: infinities and NaN, and values out of their range.
-    ("lr-inf", DEFAULT_TEXT.replace("lr: 3.0e-3", "lr: .inf"), ("train.lr", "finite")),
-    ("lr-nan", DEFAULT_TEXT.replace("lr: 3.0e-3", "lr: .nan"), ("train.lr", "finite")),
+    ("lr-inf", DEFAULT_TEXT.replace(LR_LINE, "  lr: .inf"), ("train.lr", "finite")),
+    ("lr-nan", DEFAULT_TEXT.replace(LR_LINE, "  lr: .nan"), ("train.lr", "finite")),
     ("lr-negative", set_("train.lr", -1e-3), ("train.lr",)),
     ("beta-one", set_("train.betas", [0.9, 1.0]), ("train.betas.1", "less than 1")),
     ("beta-negative", set_("train.betas", [-0.1, 0.95]), ("train.betas.0",)),
@@ -66,7 +68,7 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     ("weight-decay-inf", set_("train.weight_decay", float("inf")), ("train.weight_decay",)),
     ("rope-theta-nan", set_("model.rope_theta", float("nan")), ("model.rope_theta",)),
     ("gpu-mem-absurd", set_("cluster.gpu_mem_gb", 1e12), ("cluster.gpu_mem_gb",)),
-    ("lr-boolean", DEFAULT_TEXT.replace("lr: 3.0e-3", "lr: yes"), ("train.lr", "not a boolean")),
+    ("lr-boolean", DEFAULT_TEXT.replace(LR_LINE, "  lr: yes"), ("train.lr", "not a boolean")),
     ("run-override-lr-inf", runs({"fsdp": {"train": {"lr": float("inf")}}}),
      ("runs.fsdp.train.lr", "finite")),
     ("deepspeed-key-nan",
@@ -100,7 +102,7 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     # YAML itself: duplicate keys drop a block silently in every YAML loader; bombs; not text.
     ("duplicate-top-level-block", DEFAULT_TEXT + "\ndata:\n  seq_len: 64\n",
      ("duplicate key data", "line", "first at line")),
-    ("duplicate-nested-key", DEFAULT_TEXT.replace("  lr: 3.0e-3\n", "  lr: 3.0e-3\n  lr: 1.0\n"),
+    ("duplicate-nested-key", DEFAULT_TEXT.replace(LR_LINE, LR_LINE + "\n  lr: 1.0"),
      ("duplicate key train.lr", "line")),
     ("duplicate-run", DEFAULT_TEXT + "  fsdp:\n    train: {lr: 1.0}\n",
      ("duplicate key runs.fsdp", "line")),
@@ -187,7 +189,7 @@ def test_a_user_configs_runs_replace_the_default_runs_in_both(tmp_path: Path):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(DEFAULT_TEXT)
     user = tmp_path / "user.yaml"
-    user.write_text("train:\n  max_steps: 20\nruns:\n  solo:\n    train: {lr: 1.0e-3}\n")
+    user.write_text("train:\n  max_steps: 40\nruns:\n  solo:\n    train: {lr: 1.0e-3}\n")
     res = snakemake(tmp_path, "--configfile", str(user), "-n")
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
@@ -198,6 +200,6 @@ def test_a_user_configs_runs_replace_the_default_runs_in_both(tmp_path: Path):
     assert "runs: solo;" in check.stderr
     runs_seen = [json.loads(doc) for doc in check.stdout.replace("}\n{", "}\x00{").split("\x00")]
     assert [(r["name"], r["train"]["max_steps"], r["train"]["lr"]) for r in runs_seen] == [
-        ("solo", 20, 1e-3)]
+        ("solo", 40, 1e-3)]
     # Sections other than runs: still merge with the default (the user's file has no data:).
     assert runs_seen[0]["data"]["seq_len"] == DEFAULT["data"]["seq_len"]
