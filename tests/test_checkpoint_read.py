@@ -61,7 +61,7 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    logging.getLogger("pipeline.checkpoint").addHandler(Keep())
+    logging.getLogger("pipeline.checkpoint_manager").addHandler(Keep())
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     result = []
     for root in roots:
