@@ -178,6 +178,9 @@ def worker(run_dir: Path) -> None:
     t0 = time.perf_counter()
     manager = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
                                            rank=env_.rank, world_size=env_.world_size)
+    # The whole save, timed as disk throughput: synchronous (bench.async_save measures what a
+    # background save blocks; its resume() would also clear a save still in flight).
+    manager.background = False
     manager.save(engine, state)
     t_save = time.perf_counter() - t0
     if env_.rank == 0:
