@@ -43,9 +43,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_worker import worker_parser
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "benchmarks" / "gpu.md"
 DRY = "dry run"
+SKIPPED = "skipped: time budget spent"
 GB = 1e9  # the planner's GB (pipeline.plan.spec.GB) and the trainer's peak_mem_gb unit
 
 #: ~1.1 B parameters: TinyLlama-1.1B's shape (Zhang et al. 2024), GQA 32/4, seq 2048.
@@ -59,6 +62,13 @@ ENGINES: dict[str, dict[str, Any]] = {
     "ds-zero3": {"backend": "deepspeed", "zero_stage": 3},
     "ddp": {"backend": "ddp"},
 }
+#: One extra row, run last (after the DAG, when the budget allows): fsdp with ``train.compile``
+#: (each decoder layer compiled), to show what compilation changes on the GPU.
+COMPILE_ENGINE = "fsdp-compile"
+ENGINES_EXTRA: dict[str, dict[str, Any]] = {
+    COMPILE_ENGINE: {"backend": "fsdp", "fsdp_sharding": "FULL_SHARD", "compile": True},
+}
+ALL_ENGINES = {**ENGINES, **ENGINES_EXTRA}
 
 
 @dataclass
@@ -136,10 +146,11 @@ def data_argvs(spec: ModelSpec, data: Path) -> list[list[str]]:
     ]
 
 
-def worker_argv(run_dir: Path, data: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            "-m", "bench.gpu", "worker", "--run-dir", str(run_dir), "--data-dir", str(data),
+def worker_argv(run_dir: Path, data: Path, steps: int, profile: Path | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            "-m", "bench.gpu_worker", "--run-dir", str(run_dir), "--data-dir", str(data),
             "--steps", str(steps)]
+    return argv + (["--profile", str(profile)] if profile is not None else [])
 
 
 def dag_argv(workdir: Path) -> list[str]:
@@ -160,11 +171,10 @@ def check_argv(argv: list[str]) -> None:
         from torch.distributed.run import get_args_parser
 
         ns = _parse(get_args_parser(), rest, argv)
-        if not ns.module or ns.training_script != "bench.gpu" or ns.nproc_per_node != "1":
-            raise ValueError(f"torchrun does not start one bench.gpu worker: {argv!r}")
-        if not ns.training_script_args or ns.training_script_args[0] != "worker":
-            raise ValueError(f"torchrun does not start the worker: {argv!r}")
-        _parse(worker_parser(), ns.training_script_args[1:], argv)
+        if not ns.module or ns.training_script != "bench.gpu_worker" \
+                or ns.nproc_per_node != "1":
+            raise ValueError(f"torchrun does not start one bench.gpu_worker: {argv!r}")
+        _parse(worker_parser(), ns.training_script_args, argv)
     elif module == "pipeline.tokenizer":
         from pipeline.tokenizer import _parser
 
@@ -200,10 +210,10 @@ def row_config(row: Row, default_cfg: dict[str, Any], *, steps_total: int,
                  "shards": 1},
         "model": spec.model,
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cuda", "gpu_mem_gb": gpu_mem_gb},
-        "train": {**ENGINES[row.engine], "precision": "bf16",
+        "train": {**ALL_ENGINES[row.engine], "precision": "bf16",
                   "activation_checkpointing": row.ac,
                   "micro_batch_size": spec.micro_batch_size, "grad_accum": 1,
-                  "max_steps": steps_total, "warmup_steps": min(5, steps_total),
+                  "max_steps": steps_total, "warmup_steps": min(5, steps_total - 1),
                   "checkpoint_every": steps_total, "lr": default_cfg["train"]["lr"]},
         "runs": {row.name: {}},
     }
@@ -230,7 +240,7 @@ def render_row(row: Row, cfg: dict[str, Any], work: Path, data: Path | None) -> 
     plan = json.loads((row.run_dir / "plan.json").read_text())
     config = json.loads((row.run_dir / "config.json").read_text())
     t = config["train"]
-    want = ENGINES[row.engine]
+    want = ALL_ENGINES[row.engine]
     if any(t[k] != v for k, v in want.items()) or t["precision"] != "bf16" \
             or t["activation_checkpointing"] != row.ac or plan["engine"] != want["backend"] \
             or config["cluster"]["gpus_per_node"] * config["cluster"]["nodes"] != 1:
@@ -278,52 +288,6 @@ def measure_row(row: Row, data: Path, *, warmup: int, steps: int, timeout_s: flo
     info = json.loads((row.run_dir / "bench.json").read_text())
     row.measured_bytes = int(info["max_memory_allocated"])
     row.info = info
-
-
-# --- the worker (one rank under torchrun) -----------------------------------------------------
-
-
-def worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu worker",
-                                description="The project's Trainer for N steps, no checkpoint.")
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True, help="train_step() calls (warm-up included)")
-    return p
-
-
-def worker(argv: list[str]) -> int:
-    import logging
-
-    import torch
-
-    from pipeline.train.trainer import Trainer
-
-    args = worker_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[worker] %(levelname)s %(message)s")
-    trainer = Trainer(args.run_dir, args.data_dir)
-    try:
-        trainer.build()
-        if trainer.state.step != 0:
-            raise SystemExit(f"{args.run_dir} resumed at step {trainer.state.step}: use a new one")
-        for _ in range(args.steps):
-            trainer.train_step()
-        dev = trainer.device
-        if dev.type != "cuda":
-            raise SystemExit(f"the trainer ran on {dev}, not on a GPU")
-        torch.cuda.synchronize(dev)
-        props = torch.cuda.get_device_properties(dev)
-        if trainer.env.rank == 0:
-            (args.run_dir / "bench.json").write_text(json.dumps({
-                "max_memory_allocated": torch.cuda.max_memory_allocated(dev),
-                "max_memory_reserved": torch.cuda.max_memory_reserved(dev),
-                "device": props.name, "device_mem_bytes": props.total_memory,
-                "torch": torch.__version__, "cuda": torch.version.cuda,
-                "n_params": trainer.n_params, "peak_flops": trainer.peak_flops,
-            }))
-    finally:
-        trainer.close()
-    return 0
 
 
 # --- the DAG ----------------------------------------------------------------------------------
@@ -405,7 +369,7 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
         f"- date: {meta['date']}",
         f"- command: `python -m bench.gpu` ({meta['wall']})",
         f"- each row: world size 1, bf16, {warmup} warm-up steps then {steps} measured steps of "
-        "the project's Trainer (`bench.gpu worker` under torchrun). planned = the planner's "
+        "the project's Trainer (`bench.gpu_worker` under torchrun). planned = the planner's "
         "per-GPU total (`plan.json` `per_gpu_bytes.total`, rendered by `pipeline.render`); "
         "measured = `torch.cuda.max_memory_allocated` after the last step; GB = 10^9 bytes. "
         "tokens/s = tokens / time of the measured steps; MFU as the trainer records it.",
@@ -423,7 +387,7 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
         if not dry and r.wall_s is not None:
             note = (note + f"; {r.wall_s:.0f} s").lstrip("; ")
         lines.append(
-            f"| {r.model.key} | {r.params / 1e6:.1f} M | {r.engine} | {'on' if r.ac else 'off'} "
+            f"| {r.model.key} | {'n/a' if r.params is None else f'{r.params / 1e6:.1f} M'} | {r.engine} | {'on' if r.ac else 'off'} "
             f"| {r.model.micro_batch_size} × {r.model.seq_len} "
             f"| {gb(r.planned_bytes)} "
             f"| {DRY if dry else '—' if r.error else gb(r.measured_bytes)} "
@@ -433,13 +397,18 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
             f"{'' if dry or r.mfu is None else ' %'} | {note} |")
     if rows:
         parts = ("params", "grads", "optimizer", "activations", "buffers", "total")
-        lines += ["", "## The planner's per-GPU breakdown (GB)", "",
-                  "Measured reserved = `torch.cuda.max_memory_reserved` (the caching allocator's "
-                  "peak, for comparison).", "",
-                  "| row | " + " | ".join(parts) + " | measured allocated | measured reserved |",
-                  "|---|" + "---:|" * (len(parts) + 2)]
+        lines += ["", "## The planner's per-GPU breakdown against what was allocated (GB)", "",
+                  "Measured: `torch.cuda.memory_allocated` after `build()` (the model states "
+                  "the engine holds before any step) and after step 1 (gradients and optimizer "
+                  "states exist), the peak (`max_memory_allocated`) and the caching allocator's "
+                  "peak (`max_memory_reserved`), for comparison with the planner's parts.", "",
+                  "| row | " + " | ".join(parts) + " | after build | after step 1 | peak "
+                  "| reserved |", "|---|" + "---:|" * (len(parts) + 4)]
         for r in rows:
-            measured = [DRY, DRY] if dry else [
+            ph = {p["phase"]: p for p in r.info.get("phases", [])}
+            measured = [DRY] * 4 if dry else [
+                gb(ph.get("after build", {}).get("allocated")),
+                gb(ph.get("after step 1", {}).get("allocated")),
                 gb(r.info.get("max_memory_allocated")), gb(r.info.get("max_memory_reserved"))]
             lines.append(f"| {r.name} | " + " | ".join(gb(r.breakdown.get(k)) for k in parts)
                          + " | " + " | ".join(measured) + " |")
@@ -487,10 +456,7 @@ def query_gpu() -> tuple[str, float]:
 # --- main -------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        return worker(argv[1:])
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m bench.gpu",
         description="Planner vs torch.cuda.max_memory_allocated, tokens/s and MFU per engine, "
@@ -502,9 +468,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="work directory (default: a temporary one, removed at the end)")
     ap.add_argument("--only", choices=("rows", "dag"), default=None,
                     help="only the table's rows, or only the DAG (the table then has no rows)")
-    ap.add_argument("--models", default="tiny,llama1b", help="comma-separated: tiny, llama1b")
+    ap.add_argument("--models", default="llama1b,tiny",
+                    help="comma-separated, in the order run: llama1b, tiny")
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help=f"comma-separated: {', '.join(ENGINES)}")
+    ap.add_argument("--compile-row", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"one more row after the DAG if the budget allows: llama1b "
+                         f"{COMPILE_ENGINE} (train.compile)")
+    ap.add_argument("--profile-row", default="llama1b-fsdp-noac",
+                    help="the row whose 2 extra steps are profiled (kernel table beside --out); "
+                         "'' for none")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--micro-1b", type=int, default=8, help="micro batch of the 1B rows")
@@ -515,6 +488,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dag-reserve-s", type=float, default=150,
                     help="kept for the DAG: rows not started by budget - reserve are skipped")
     args = ap.parse_args(argv)
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        ap.error(f"--engines: unknown {sorted(unknown)}; known: {', '.join(ENGINES)}")
+    known = {"tiny", "llama1b"}
+    if not set(args.models.split(",")) <= known:
+        ap.error(f"--models: unknown {sorted(set(args.models.split(',')) - known)}")
+    return args
+
+
+def prepare_data(spec: ModelSpec, work: Path, *, dry: bool, steps_total: int) -> Path:
+    """Tokenize one model's corpus with the tokenize stage's commands (checked in a dry run)."""
+    data = work / "data" / spec.key
+    data_cmds = data_argvs(spec, data)
+    for cmd in data_cmds:
+        check_argv(cmd)
+    if dry:
+        return data
+    t0 = time.perf_counter()
+    for cmd in data_cmds:
+        res = subprocess.run(cmd, cwd=work, env=env(False), capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"{cmd} failed:\n{res.stderr[-3000:]}")
+    man = json.loads((data / "manifest.json").read_text())
+    seqs = man["splits"]["train"]["sequences"]
+    need = steps_total * spec.micro_batch_size
+    print(f"data {spec.key}: vocab {man['tokenizer']['vocab_size']}, {seqs} sequences of "
+          f"{spec.seq_len} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if seqs < need:
+        raise SystemExit(f"{spec.key}: {seqs} sequences, {need} needed")
+    return data
+
+
+def print_row(row: Row) -> None:
+    if row.error is not None:
+        print(f"{row.name:26s} FAILED: {row.error}\n{row.log_tail}", flush=True)
+        return
+    assert row.measured_bytes is not None and row.planned_bytes and row.tokens_per_s
+    parts = ", ".join(f"{k} {gb(v)}" for k, v in row.breakdown.items() if k != "total")
+    phases = ", ".join(f"{p['phase']} {gb(p['allocated'])}" for p in row.info.get("phases", []))
+    print(f"{row.name:26s} plan: {parts}; measured: {phases}; reserved "
+          f"{gb(row.info.get('max_memory_reserved'))} GB", flush=True)
+    print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB  measured "
+          f"{row.measured_bytes / GB:7.2f} GB  ratio {row.measured_bytes / row.planned_bytes:.3f}"
+          f"  {row.tokens_per_s:,.0f} tokens/s  MFU "
+          f"{'n/a' if row.mfu is None else f'{100 * row.mfu:.1f} %'}  ({row.wall_s:.0f} s)",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     import yaml
 
     t_start = time.perf_counter()
@@ -530,86 +554,61 @@ def main(argv: list[str] | None = None) -> int:
         device = f"{device} ({gpu_mem:.1f} GB)"
     meta = {**versions(), "device": device,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "wall": ""}
-    wanted_models = set(args.models.split(","))
-    wanted_engines = args.engines.split(",")
-    unknown = set(wanted_engines) - set(ENGINES)
-    if unknown:
-        ap.error(f"--engines: unknown {sorted(unknown)}; known: {', '.join(ENGINES)}")
-    specs = [m for m in models(default_cfg, args.micro_1b) if m.key in wanted_models]
-    rows = [Row(m, e, ac) for m in specs for e in wanted_engines for ac in (False, True)]
+    by_key = {m.key: m for m in models(default_cfg, args.micro_1b)}
+    specs = [by_key[k] for k in args.models.split(",")]
+    rows = [Row(m, e, ac) for m in specs for e in args.engines.split(",") for ac in (False, True)]
+    extra = [Row(by_key["llama1b"], COMPILE_ENGINE, False)] \
+        if args.compile_row and "llama1b" in args.models.split(",") else []
     steps_total = args.warmup + args.steps
     work = args.work or Path(tempfile.mkdtemp(prefix="zs-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     dag: dict[str, Any] | None = None
     problems: list[str] = []
+    datas: dict[str, Path] = {}
 
     def table() -> None:
         meta["wall"] = f"{time.perf_counter() - t_start:.0f} s" + (", dry run" if dry else "")
-        write_table(args.out, rows if args.only != "dag" else [], dag, dry=dry, meta=meta,
+        shown = rows + [r for r in extra if dry or r.wall_s is not None]
+        write_table(args.out, shown if args.only != "dag" else [], dag, dry=dry, meta=meta,
                     warmup=args.warmup, steps=args.steps)
+
+    def run_rows(todo: list[Row], reserve: float) -> None:
+        for row in todo:
+            spec = row.model
+            if spec.key not in datas:
+                datas[spec.key] = prepare_data(spec, work, dry=dry, steps_total=steps_total)
+            data = datas[spec.key]
+            cfg = row_config(row, default_cfg, steps_total=steps_total, gpu_mem_gb=gpu_mem_gb)
+            profile = args.out.parent / f"gpu-profile-{row.name}.txt" \
+                if row.name == args.profile_row else None
+            try:
+                render_row(row, cfg, work, None if dry else data)
+                row.argv = worker_argv(row.run_dir, data, steps_total, profile)  # type: ignore[arg-type]
+                check_argv(row.argv)
+            except (ValueError, KeyError) as err:
+                row.error = str(err)
+                problems.append(str(err))
+                print(f"{row.name}: {err}", file=sys.stderr, flush=True)
+                continue
+            if dry:
+                print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB  "  # type: ignore[operator]
+                      f"({row.params / 1e6:.1f} M params)  would run: "  # type: ignore[operator]
+                      f"{' '.join(row.argv[1:])}", flush=True)
+                continue
+            if args.budget_s - reserve - (time.perf_counter() - t_start) < 20:
+                row.error = SKIPPED
+                print(f"{row.name:26s} {SKIPPED}", flush=True)
+                continue
+            measure_row(row, data, warmup=args.warmup, steps=args.steps,
+                        timeout_s=spec.timeout_s + (120 if row.engine == COMPILE_ENGINE else 0))
+            print_row(row)
+            if row.error is None:
+                meta["cuda"] = row.info.get("cuda", meta["cuda"])
+            table()
 
     try:
         if args.only != "dag":
-            for spec in specs:
-                data = work / "data" / spec.key
-                data_cmds = data_argvs(spec, data)
-                for cmd in data_cmds:
-                    check_argv(cmd)
-                if not dry:
-                    t0 = time.perf_counter()
-                    for cmd in data_cmds:
-                        res = subprocess.run(cmd, cwd=work, env=env(False), capture_output=True,
-                                             text=True)
-                        if res.returncode != 0:
-                            raise SystemExit(f"{cmd} failed:\n{res.stderr[-3000:]}")
-                    man = json.loads((data / "manifest.json").read_text())
-                    seqs = man["splits"]["train"]["sequences"]
-                    need = steps_total * spec.micro_batch_size
-                    print(f"data {spec.key}: vocab {man['tokenizer']['vocab_size']}, {seqs} "
-                          f"sequences of {spec.seq_len} ({time.perf_counter() - t0:.0f} s)",
-                          flush=True)
-                    if seqs < need:
-                        raise SystemExit(f"{spec.key}: {seqs} sequences, {need} needed")
-                for row in (r for r in rows if r.model is spec):
-                    cfg = row_config(row, default_cfg, steps_total=steps_total,
-                                     gpu_mem_gb=gpu_mem_gb)
-                    try:
-                        render_row(row, cfg, work, None if dry else data)
-                        row.argv = worker_argv(row.run_dir, data, steps_total)  # type: ignore[arg-type]
-                        check_argv(row.argv)
-                    except (ValueError, KeyError) as err:
-                        row.error = str(err)
-                        problems.append(str(err))
-                        print(f"{row.name}: {err}", file=sys.stderr, flush=True)
-                        continue
-                    if dry:
-                        print(f"{row.name:24s} planned {row.planned_bytes / GB:7.2f} GB  "
-                              f"({row.params / 1e6:.1f} M params)  would run: "
-                              f"{' '.join(row.argv[1:])}", flush=True)
-                        continue
-                    reserve = 0 if args.only == "rows" else args.dag_reserve_s
-                    left = args.budget_s - reserve - (time.perf_counter() - t_start)
-                    if left < 20:
-                        row.error = "skipped: time budget spent"
-                        print(f"{row.name:24s} skipped: time budget spent", flush=True)
-                        continue
-                    measure_row(row, data, warmup=args.warmup, steps=args.steps,
-                                timeout_s=spec.timeout_s)
-                    if row.error is None:
-                        parts = ", ".join(f"{k} {gb(v)}" for k, v in row.breakdown.items()
-                                          if k != "total")
-                        print(f"{row.name:24s} plan: {parts}; measured reserved "
-                              f"{gb(row.info.get('max_memory_reserved'))} GB", flush=True)
-                        print(f"{row.name:24s} planned {row.planned_bytes / GB:7.2f} GB  measured "
-                              f"{row.measured_bytes / GB:7.2f} GB  ratio "  # type: ignore[operator]
-                              f"{row.measured_bytes / row.planned_bytes:.3f}  "  # type: ignore[operator]
-                              f"{row.tokens_per_s:,.0f} tokens/s  MFU "
-                              f"{'n/a' if row.mfu is None else f'{100 * row.mfu:.1f} %'}  "
-                              f"({row.wall_s:.0f} s)", flush=True)
-                        meta["cuda"] = row.info.get("cuda", meta["cuda"])
-                    else:
-                        print(f"{row.name:24s} FAILED: {row.error}\n{row.log_tail}", flush=True)
-                    table()
+            run_rows(rows, 0 if args.only == "rows" else args.dag_reserve_s)
         if args.only != "rows":
             left = max(args.dag_reserve_s, args.budget_s - (time.perf_counter() - t_start))
             dag = run_dag(work / "dag", dry=dry, gpu_mem_gb=gpu_mem_gb, timeout_s=left)
@@ -617,13 +616,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"({dag['wall_s']:.0f} s{', snakemake -n' if dry else ''})", flush=True)
             if not dag["ok"]:
                 problems.append(f"DAG: {dag.get('error')}")
+        if args.only != "dag" and extra:
+            run_rows(extra, 0)
         table()
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {args.out} ({time.perf_counter() - t_start:.0f} s)")
-    if dry and problems:
-        print(f"dry run found {len(problems)} problem(s)", file=sys.stderr)
+    failed = [r.name for r in rows + extra if r.error and r.error != SKIPPED]
+    if problems or failed:
+        print(f"{'dry run' if dry else 'bench'} found {len(problems)} problem(s); rows failed: "
+              f"{', '.join(failed) or 'none'}", file=sys.stderr)
         return 1
     return 0
 
