@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -103,6 +104,7 @@ class Row:
     info: dict[str, Any] = field(default_factory=dict)  # the worker's bench.json
     breakdown: dict[str, int] = field(default_factory=dict)  # plan.json per_gpu_bytes
     log_tail: str = ""
+    concurrent: int = 1  # rows measured at the same time as this one (itself included)
 
     def __post_init__(self) -> None:
         self.name = f"{self.model.key}-{self.engine}-{'ac' if self.ac else 'noac'}"
@@ -386,6 +388,8 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
             note = f"planner off by {100 * (ratio - 1):+.0f} %"
         if not dry and r.wall_s is not None:
             note = (note + f"; {r.wall_s:.0f} s").lstrip("; ")
+        if not dry and r.concurrent > 1:
+            note += f"; {r.concurrent} rows at a time (tokens/s shared the GPU)"
         lines.append(
             f"| {r.model.key} | {'n/a' if r.params is None else f'{r.params / 1e6:.1f} M'} | {r.engine} | {'on' if r.ac else 'off'} "
             f"| {r.model.micro_batch_size} × {r.model.seq_len} "
@@ -427,6 +431,19 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
             lines.append(f"- FAILED after {dag['wall_s']:.0f} s: {dag.get('error')}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
+    # The same rows as data (what was asked, planned and measured): `--replan` re-plans them
+    # with the current planner without a GPU; the measured figures stay those of this run.
+    out.with_suffix(".json").write_text(json.dumps({
+        "meta": meta, "warmup": warmup, "steps": steps, "dry_run": dry, "dag": dag,
+        "rows": [row_record(r) for r in rows]}, indent=1, default=str) + "\n")
+
+
+def row_record(r: Row) -> dict[str, Any]:
+    return {"name": r.name, "model": r.model.key, "engine": r.engine, "ac": r.ac,
+            "micro_batch_size": r.model.micro_batch_size, "seq_len": r.model.seq_len,
+            "params": r.params, "planned_bytes": r.planned_bytes, "breakdown": r.breakdown,
+            "measured_bytes": r.measured_bytes, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+            "wall_s": r.wall_s, "error": r.error, "info": r.info}
 
 
 def versions() -> dict[str, Any]:
@@ -478,6 +495,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--profile-row", default="llama1b-fsdp-noac",
                     help="the row whose 2 extra steps are profiled (kernel table beside --out); "
                          "'' for none")
+    ap.add_argument("--tiny-at-once", type=int, default=4,
+                    help="tiny rows run this many at a time (start-up bound; memory is per "
+                         "process, tokens/s is then marked as measured side by side)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="measured steps after the warm-up")
     ap.add_argument("--micro-1b", type=int, default=8, help="micro batch of the 1B rows")
@@ -572,38 +592,62 @@ def main(argv: list[str] | None = None) -> int:
         write_table(args.out, shown if args.only != "dag" else [], dag, dry=dry, meta=meta,
                     warmup=args.warmup, steps=args.steps)
 
+    def ready(row: Row) -> bool:
+        """Data, render and the parsed worker command of one row; False if it cannot run."""
+        spec = row.model
+        if spec.key not in datas:
+            datas[spec.key] = prepare_data(spec, work, dry=dry, steps_total=steps_total)
+        cfg = row_config(row, default_cfg, steps_total=steps_total, gpu_mem_gb=gpu_mem_gb)
+        profile = args.out.parent / f"gpu-profile-{row.name}.txt" \
+            if row.name == args.profile_row else None
+        try:
+            render_row(row, cfg, work, None if dry else datas[spec.key])
+            row.argv = worker_argv(row.run_dir, datas[spec.key], steps_total, profile)  # type: ignore[arg-type]
+            check_argv(row.argv)
+        except (ValueError, KeyError) as err:
+            row.error = str(err)
+            problems.append(str(err))
+            print(f"{row.name}: {err}", file=sys.stderr, flush=True)
+            return False
+        if dry:
+            print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB  "  # type: ignore[operator]
+                  f"({row.params / 1e6:.1f} M params)  would run: "  # type: ignore[operator]
+                  f"{' '.join(row.argv[1:])}", flush=True)
+            return False
+        if args.budget_s - reserve_now[0] - (time.perf_counter() - t_start) < 20:
+            row.error = SKIPPED
+            print(f"{row.name:26s} {SKIPPED}", flush=True)
+            return False
+        return True
+
+    def measure(row: Row) -> None:
+        measure_row(row, datas[row.model.key], warmup=args.warmup, steps=args.steps,
+                    timeout_s=row.model.timeout_s + (120 if row.engine == COMPILE_ENGINE else 0))
+        print_row(row)
+        if row.error is None:
+            meta["cuda"] = row.info.get("cuda", meta["cuda"])
+
+    reserve_now = [0.0]
+
     def run_rows(todo: list[Row], reserve: float) -> None:
-        for row in todo:
-            spec = row.model
-            if spec.key not in datas:
-                datas[spec.key] = prepare_data(spec, work, dry=dry, steps_total=steps_total)
-            data = datas[spec.key]
-            cfg = row_config(row, default_cfg, steps_total=steps_total, gpu_mem_gb=gpu_mem_gb)
-            profile = args.out.parent / f"gpu-profile-{row.name}.txt" \
-                if row.name == args.profile_row else None
-            try:
-                render_row(row, cfg, work, None if dry else data)
-                row.argv = worker_argv(row.run_dir, data, steps_total, profile)  # type: ignore[arg-type]
-                check_argv(row.argv)
-            except (ValueError, KeyError) as err:
-                row.error = str(err)
-                problems.append(str(err))
-                print(f"{row.name}: {err}", file=sys.stderr, flush=True)
+        reserve_now[0] = reserve
+        for key in dict.fromkeys(r.model.key for r in todo):
+            group = [r for r in todo if r.model.key == key]
+            at_once = args.tiny_at_once if key == "tiny" else 1
+            if at_once <= 1:
+                for row in group:
+                    if ready(row):
+                        measure(row)
+                        table()
                 continue
-            if dry:
-                print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB  "  # type: ignore[operator]
-                      f"({row.params / 1e6:.1f} M params)  would run: "  # type: ignore[operator]
-                      f"{' '.join(row.argv[1:])}", flush=True)
-                continue
-            if args.budget_s - reserve - (time.perf_counter() - t_start) < 20:
-                row.error = SKIPPED
-                print(f"{row.name:26s} {SKIPPED}", flush=True)
-                continue
-            measure_row(row, data, warmup=args.warmup, steps=args.steps,
-                        timeout_s=spec.timeout_s + (120 if row.engine == COMPILE_ENGINE else 0))
-            print_row(row)
-            if row.error is None:
-                meta["cuda"] = row.info.get("cuda", meta["cuda"])
+            # Tiny rows are start-up bound (seconds of imports, a few ms of GPU work): several
+            # at once keep the script inside its 8 minutes. Memory is per process, so the
+            # measured peaks are unaffected; their tokens/s is noted as measured side by side.
+            runnable = [r for r in group if ready(r)]
+            for r in runnable:
+                r.concurrent = at_once
+            with ThreadPoolExecutor(max_workers=at_once) as pool:
+                list(pool.map(measure, runnable))
             table()
 
     try:

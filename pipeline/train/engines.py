@@ -77,9 +77,14 @@ def _enable_activation_checkpointing(model: Any) -> None:
     # HF's own checkpointing of each decoder layer; non-reentrant so it composes with FSDP2 and
     # ZeRO-3 hooks. use_cache is off (a cached forward would be replayed twice on recompute).
     model.config.use_cache = False
-    model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False}
-    )
+    # transformers renamed gradient_checkpointing_enable (and its kwargs) after 5.17; the GPU
+    # image of issue 15 has 5.17, CI a later one: take whichever this version has.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class FSDPEngine:
