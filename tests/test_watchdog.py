@@ -50,12 +50,17 @@ def _render(data_dir: Path, run_dir: Path) -> Path:
     return run_dir
 
 
+#: The launching shell's GPU list: the local launcher must hand it to torchrun unchanged
+#: (submitit's local executor would set it to none). No such GPU here: the run is on CPU.
+VISIBLE = "7"
+
+
 def _launch(run_dir: Path, data_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [PY, "-m", "pipeline.train", "launch", "--run-dir", str(run_dir), "--data-dir",
          str(data_dir), "--launcher", "local", f"--hang-timeout-s={HANG_TIMEOUT_S}",
          "--hang-startup-s=300", "--hang-save-s=120", "--max-failures=1"],
-        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": VISIBLE}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _events(run_dir: Path, name: str | None = None) -> list[dict]:
@@ -132,6 +137,8 @@ def test_a_frozen_rank_is_named_killed_and_the_run_retried(data_dir: Path, tmp_p
     assert [e["reason"] for e in _events(run_dir, "launch.requeue")] == ["failure"]
     starts = _events(run_dir, "start")
     assert len(starts) == 2 and starts[1]["resumed_from"] >= 10, starts
+    # Both attempts saw the launching shell's GPUs (the retry included).
+    assert [s["cuda_visible_devices"] for s in starts] == [VISIBLE, VISIBLE], starts
     assert starts[1]["resumed_from"] == int(hangs[0]["checkpoint"].split("-")[1])
     assert json.loads((run_dir / "train.done").read_text())["step"] == STEPS
     g = goodput(run_dir)
@@ -191,3 +198,13 @@ def test_goodput_of_a_run_with_a_requeue_and_a_failure_adds_up(data_dir: Path, t
     assert res.returncode == 0, res.stderr
     shown = json.loads(res.stdout.splitlines()[0])
     assert shown["goodput"]["total"] == g["total"]
+
+
+def test_local_gpu_env_keeps_the_shells_gpus():
+    from pipeline.train.node import local_gpu_env
+
+    assert local_gpu_env("cuda", {"CUDA_VISIBLE_DEVICES": "2,3"}) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert local_gpu_env("auto", {"CUDA_VISIBLE_DEVICES": "GPU-1f2e"}) == {
+        "CUDA_VISIBLE_DEVICES": "GPU-1f2e"}
+    assert local_gpu_env("auto", {}) == {"CUDA_VISIBLE_DEVICES": None}  # unset: all GPUs
+    assert local_gpu_env("cpu", {"CUDA_VISIBLE_DEVICES": "0"}) == {"CUDA_VISIBLE_DEVICES": ""}

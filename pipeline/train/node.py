@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,8 @@ class NodeTask(submitit.helpers.Checkpointable):
         self._node: NodeEnv | None = None
         self._rdzv_error = False
         self._hung: list[Stale] = []
+        #: Environment the local launcher restores for torchrun (see :func:`local_gpu_env`).
+        self.local_env: dict[str, str | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A requeue pickles the task again: the running process is not part of its state.
@@ -163,6 +166,18 @@ class NodeTask(submitit.helpers.Checkpointable):
             raise PipelineError(f"job has {node.nnodes} nodes, the plan {self.nnodes}")
         return self._run_local(node)
 
+    def _local_child_env(self) -> dict[str, str] | None:
+        fix = getattr(self, "local_env", None)  # None in a task pickled before it existed
+        if not fix or "SLURM_JOB_ID" in os.environ:  # Slurm sets the job's GPUs itself
+            return None
+        env = dict(os.environ)
+        for key, value in fix.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
     def _run_local(self, node: NodeEnv | None) -> dict[str, Any]:
         """One node on this host: torchrun under the watchdog, retried after a failure or a
         hang from the last complete checkpoint, up to ``max_failures`` times."""
@@ -173,7 +188,7 @@ class NodeTask(submitit.helpers.Checkpointable):
             started = time.time()
             append_event(run_dir, "launch.attempt", job_id=job_id, launcher="local", host=host,
                          nnodes=1)
-            self._proc = subprocess.Popen(self._argv(node))
+            self._proc = subprocess.Popen(self._argv(node), env=self._local_child_env())
             rc = self._supervise()
             if rc == 0 and (run_dir / TRAIN_DONE).exists():
                 append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="done")
@@ -501,3 +516,14 @@ class NodeTask(submitit.helpers.Checkpointable):
                          self.policy)
         return submitit.helpers.DelayedSubmission(fresh)
 
+
+def local_gpu_env(device: str, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """What the node task restores for a local run's torchrun. submitit's ``LocalExecutor``
+    sets its job's ``CUDA_VISIBLE_DEVICES`` to its first ``gpus_per_node`` GPUs, and to none
+    when that is not given: on a GPU machine the local profile trained on no GPU (found by
+    bench/gpu.py on an H200). The job gets the GPUs of the shell that launched it (its
+    ``CUDA_VISIBLE_DEVICES`` as set, UUIDs and MIG names included; unset: all of them), and none
+    for ``cluster.device: cpu``."""
+    if device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {"CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES")}

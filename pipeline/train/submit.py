@@ -44,7 +44,7 @@ from pipeline.goodput import measured_save_seconds as measured_save_seconds  # r
 from pipeline.goodput import save_time_warning
 from pipeline.launchopts import LaunchOptions
 from pipeline.sbatch import SUBMISSION_FILE, Submission, render_submission
-from pipeline.train.node import NodeTask
+from pipeline.train.node import NodeTask, local_gpu_env
 
 log = logging.getLogger("pipeline.train.launch")
 
@@ -317,6 +317,7 @@ def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
     # The options travel with the task: the failure budget and the watchdog's limits.
     task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes,
                     opts)
+    task.local_env = local_gpu_env(run.cluster.device, os.environ)
     if run.cluster.nodes != 1:
         raise PipelineError(
             f"cluster.nodes is {run.cluster.nodes}, but the local launcher runs one node; "

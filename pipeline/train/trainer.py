@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -179,7 +180,9 @@ class Trainer:
         shards = [0] * env.world_size
         dist.all_gather_object(shards, local_param_count(self.engine))
         self.layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
-                       "param_shards": shards}
+                       "param_shards": shards, "device": str(self.device),
+                       # which GPUs the launcher let this rank see (None: not restricted)
+                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
         dp_rank, dp_size = dp_coords(self.dims, env.rank)
         self.loader = BatchLoader(dataset, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
                                   dp_size=dp_size, seed=t.seed, mixture=t.mixture,
