@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,7 @@ class Row:
     breakdown: dict[str, int] = field(default_factory=dict)  # plan.json per_gpu_bytes
     log_tail: str = ""
     concurrent: int = 1  # rows measured at the same time as this one (itself included)
+    vocab_size: int | None = None  # the trained tokenizer's (the data manifest's)
 
     def __post_init__(self) -> None:
         self.name = f"{self.model.key}-{self.engine}-{'ac' if self.ac else 'noac'}"
@@ -234,6 +235,9 @@ def render_row(row: Row, cfg: dict[str, Any], work: Path, data: Path | None) -> 
     argv = ["--config", str(cfg_path), "--run", row.name, "--out", str(row.run_dir)]
     if data is not None:
         argv += ["--data-manifest", str(data / "manifest.json")]
+        row.vocab_size = json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    elif row.vocab_size is not None:  # --replan: the vocabulary the measured run trained
+        argv += ["--vocab-size", str(row.vocab_size)]
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         rc = render_main(argv)
@@ -370,6 +374,9 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
         f"- torch {meta['torch']}, CUDA {meta['cuda']}, DeepSpeed {meta['deepspeed']}",
         f"- date: {meta['date']}",
         f"- command: `python -m bench.gpu` ({meta['wall']})",
+        *([f"- planned column re-planned on {meta['replanned']} by `python -m bench.gpu --replan "
+           f"{meta.get('replan_source', 'gpu.json')}` with this checkout's planner (no GPU); every "
+           "measured column is the GPU run's"] if meta.get("replanned") else []),
         f"- each row: world size 1, bf16, {warmup} warm-up steps then {steps} measured steps of "
         "the project's Trainer (`bench.gpu_worker` under torchrun). planned = the planner's "
         "per-GPU total (`plan.json` `per_gpu_bytes.total`, rendered by `pipeline.render`); "
@@ -441,7 +448,7 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
 def row_record(r: Row) -> dict[str, Any]:
     return {"name": r.name, "model": r.model.key, "engine": r.engine, "ac": r.ac,
             "micro_batch_size": r.model.micro_batch_size, "seq_len": r.model.seq_len,
-            "params": r.params, "planned_bytes": r.planned_bytes, "breakdown": r.breakdown,
+            "vocab_size": r.vocab_size, "concurrent": r.concurrent, "params": r.params, "planned_bytes": r.planned_bytes, "breakdown": r.breakdown,
             "measured_bytes": r.measured_bytes, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
             "wall_s": r.wall_s, "error": r.error, "info": r.info}
 
@@ -473,6 +480,45 @@ def query_gpu() -> tuple[str, float]:
 # --- main -------------------------------------------------------------------------------------
 
 
+def replan(src: Path, out: Path, work: Path) -> int:
+    """Re-plan the rows of a GPU run's ``gpu.json`` with this checkout's planner (render only,
+    no GPU) and rewrite the table: how a planner fix is checked against figures already
+    measured. The measured columns are copied, never recomputed."""
+    import re
+
+    import yaml
+
+    rec = json.loads(src.read_text())
+    default_cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    meta = dict(rec["meta"])
+    m = re.search(r"\(([\d.]+) GB\)", meta.get("device", ""))
+    gpu_mem_gb = float(m.group(1)) if m else 80.0
+    steps_total = rec["warmup"] + rec["steps"]
+    by_key = {spec.key: spec for spec in models(default_cfg, 8)}
+    rows: list[Row] = []
+    for r in rec["rows"]:
+        spec = replace(by_key[r["model"]], micro_batch_size=r["micro_batch_size"],
+                       seq_len=r["seq_len"])
+        row = Row(spec, r["engine"], r["ac"])
+        for key in ("measured_bytes", "tokens_per_s", "mfu", "wall_s", "error", "info",
+                    "vocab_size", "concurrent"):
+            setattr(row, key, r.get(key, getattr(row, key)))
+        render_row(row, row_config(row, default_cfg, steps_total=steps_total,
+                                   gpu_mem_gb=gpu_mem_gb), work, None)
+        rows.append(row)
+        if row.measured_bytes and row.planned_bytes:
+            print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB (was "
+                  f"{r['planned_bytes'] / GB:.2f})  measured {row.measured_bytes / GB:7.2f} GB  "
+                  f"ratio {row.measured_bytes / row.planned_bytes:.3f} (was "
+                  f"{row.measured_bytes / r['planned_bytes']:.3f})")
+    meta["replanned"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta["replan_source"] = str(src.relative_to(REPO)) if src.is_relative_to(REPO) else str(src)
+    write_table(out, rows, rec.get("dag"), dry=False, meta=meta, warmup=rec["warmup"],
+                steps=rec["steps"])
+    print(f"wrote {out}")
+    return 0
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m bench.gpu",
@@ -480,6 +526,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     "model and activation checkpointing at world size 1 in bf16, then the "
                     "default DAG on CUDA; writes a markdown table (issue 15).")
     ap.add_argument("--dry-run", action="store_true", help="no CUDA, no training: check it all")
+    ap.add_argument("--replan", type=Path, default=None, metavar="GPU_JSON",
+                    help="re-plan the rows of an earlier run's gpu.json with this checkout's "
+                         "planner and rewrite --out (no GPU; the measured figures are kept)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the markdown table")
     ap.add_argument("--work", type=Path, default=None,
                     help="work directory (default: a temporary one, removed at the end)")
@@ -559,6 +608,9 @@ def print_row(row: Row) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.replan is not None:
+        with tempfile.TemporaryDirectory(prefix="zs-bench-gpu-replan-") as tmp:
+            return replan(args.replan, args.out, Path(tmp))
     import yaml
 
     t_start = time.perf_counter()

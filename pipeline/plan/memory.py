@@ -84,6 +84,17 @@ class MemoryBreakdown:
     buffers: int
     """Communication buckets (reduce/all-gather) and other engine working buffers."""
 
+    grads_persistent: int | None = None
+    """Part of ``grads`` kept from one step to the next (DDP's bucket views, ZeRO-3's 16-bit
+    partition); the rest exists only from backward to the optimizer step. None: all of it."""
+
+    grads_backward: int | None = None
+    """Part of ``grads`` present at the end of backward, beside the buffers (ZeRO-1/2 keep only
+    the 16-bit gradients then; the fp32 ones appear in the step). None: all of it."""
+
+    layer_activations: int = 0
+    """One layer's activations, alive with the gradients and buffers at the end of backward."""
+
     host_per_node: int
     """Host RAM per node for offloaded states and start-up copies (DeepSpeed's estimate)."""
 
@@ -100,8 +111,17 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        """Everything on one GPU."""
-        return self.model_states + self.activations + self.buffers
+        """The peak on one GPU: parameters and optimizer states, plus the largest of three
+        moments of a step (measured on an H200, docs/benchmarks/gpu.md: the parts do not all
+        coexist) - the loss, with every activation and only the persistent gradients; the end of
+        backward, with the gradients there, the buffers and one layer's activations; the
+        optimizer step, with every gradient and no activations."""
+        persistent = self.grads if self.grads_persistent is None else self.grads_persistent
+        backward = self.grads if self.grads_backward is None else self.grads_backward
+        return self.params + self.optimizer + max(
+            persistent + self.activations,
+            backward + self.buffers + self.layer_activations,
+            self.grads)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready bytes (and ``total``/``model_states``)."""
@@ -191,25 +211,62 @@ def layer_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads
     return replicated + (sharded + scores) / tp
 
 
-def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
-                     sequence_parallel: bool = False, fused_attention: bool = True,
-                     pp_schedule: str = "1f1b") -> int:
-    """Peak activation bytes on the busiest GPU for one configuration.
+#: Bytes per layer HF's Llama keeps beyond the count of :func:`layer_activation_bytes`, in units
+#: of sbh, measured on an H200 (bench/gpu.py, 1.1 B Llama, s = 2048, b = 8; docs/benchmarks/
+#: gpu.md): its RMSNorm computes in fp32 (an fp32 copy of each norm's input and the 16-bit
+#: normalized tensor are saved, where the count has one 16-bit input) and SDPA saves its own
+#: output beside o_proj's contiguous input. With 16-bit parameters (FSDP2's MixedPrecision,
+#: DeepSpeed bf16/fp16): 6sbh. Under autocast over fp32 parameters (DDP's mixed precision) the
+#: residual stream and the norms stay fp32 and the matmul inputs are extra 16-bit casts: 16sbh.
+HF_EXTRA_SBH_16BIT_PARAMS = 6
+HF_EXTRA_SBH_AUTOCAST = 16
+#: The output side per token and vocabulary entry at the loss, mixed precision: bf16 logits 2,
+#: the fp32 copy HF's loss makes 4, cross entropy's saved log-softmax 4, then in its backward
+#: the fp32 gradient 4 and its 16-bit cast 2 while those are still alive (measured as above).
+OUTPUT_SBV_MIXED = 16
 
-    Without recomputation every local layer keeps :func:`layer_activation_bytes`. With
-    activation checkpointing (HF ``gradient_checkpointing`` per decoder layer) each layer keeps
-    only its input, 2sbh (Korthikanti §4, "full recomputation"), and one layer's full set is
-    rebuilt at a time during backward. The output side is added for the stage holding lm_head:
-    final-norm and lm_head inputs 4sbh, bf16 logits 2sbV, the fp32 copy HF's loss makes 4sbV and
-    the log-softmax saved by cross entropy 4sbV — whole on every TP rank, since the engines keep
-    lm_head replicated over TP (no vocab-parallel loss).
-    fp32 training doubles every figure.
-    """
+
+def hf_extra_sbh(engine: str, precision: str) -> int:
+    """:data:`HF_EXTRA_SBH_16BIT_PARAMS` or :data:`HF_EXTRA_SBH_AUTOCAST` for this engine and
+    precision; 0 in fp32 (not measured: the fp32 figures are the count doubled)."""
+    if precision == "fp32":
+        return 0
+    return HF_EXTRA_SBH_AUTOCAST if engine == "ddp" else HF_EXTRA_SBH_16BIT_PARAMS
+
+
+def layer_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
+                sequence_parallel: bool = False, fused_attention: bool = True,
+                extra_sbh: int = 0) -> float:
+    """One decoder layer's activations on one GPU (16-bit count + ``extra_sbh``·sbh), in the
+    run's precision (fp32 doubles them)."""
     s, b, h, t = batch.seq_len, batch.micro_batch_size, model.hidden_size, dims.tp
     per_layer = layer_activation_bytes(
         seq_len=s, micro_batch=b, hidden=h, heads=model.num_heads, kv_heads=model.num_kv_heads,
         intermediate=model.intermediate_size, tp=t, sequence_parallel=sequence_parallel,
         fused_attention=fused_attention)
+    per_layer += extra_sbh * s * b * h / (t if sequence_parallel else 1)
+    return per_layer * (2 if batch.precision == "fp32" else 1)
+
+
+def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
+                     sequence_parallel: bool = False, fused_attention: bool = True,
+                     pp_schedule: str = "1f1b", extra_sbh: int = 0) -> int:
+    """Peak activation bytes on the busiest GPU for one configuration.
+
+    Without recomputation every local layer keeps :func:`layer_activation_bytes` (+
+    ``extra_sbh``·sbh: :func:`hf_extra_sbh`). With activation checkpointing (HF
+    ``gradient_checkpointing`` per decoder layer) each layer keeps only its input, 2sbh
+    (Korthikanti §4, "full recomputation"), and one layer's full set is rebuilt at a time during
+    backward. The output side is added for the stage holding lm_head: final-norm and lm_head
+    inputs 4sbh and :data:`OUTPUT_SBV_MIXED`·sbV (fp32 runs: bf16-free 10sbV, doubled) — whole
+    on every TP rank, since the engines keep lm_head replicated over TP (no vocab-parallel
+    loss). fp32 training doubles every figure.
+    """
+    s, b, h, t = batch.seq_len, batch.micro_batch_size, model.hidden_size, dims.tp
+    scale = 2 if batch.precision == "fp32" else 1
+    per_layer = layer_bytes(model=model, batch=batch, dims=dims,
+                            sequence_parallel=sequence_parallel,
+                            fused_attention=fused_attention, extra_sbh=extra_sbh) / scale
     layers = math.ceil(model.num_layers / dims.pp)
     if batch.activation_checkpointing:
         kept = 2 * s * b * h / (t if sequence_parallel else 1)
@@ -225,10 +282,10 @@ def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
     else:
         in_flight = min(dims.pp, dims.grad_accum)
     first_stage = stage * in_flight
-    output = 4 * s * b * h + (2 + 4 + 4) * s * b * model.vocab_size
+    vocab_coef = 10 if batch.precision == "fp32" else OUTPUT_SBV_MIXED
+    output = 4 * s * b * h + vocab_coef * s * b * model.vocab_size
     last_stage = stage + output
     peak = max(first_stage, last_stage) if dims.pp > 1 else stage + output
-    scale = 2 if batch.precision == "fp32" else 1
     return int(peak * scale)
 
 
@@ -301,20 +358,47 @@ def estimate_memory(*, model: ModelShape, dims: ParallelDims, strategy: Strategy
             sharding=strategy.fsdp_sharding, gpn=gpn, pb=pb, mixed=mixed,
             offload=off_opt or off_par)
 
+    extra = hf_extra_sbh(strategy.engine, batch.precision)
     acts = activation_bytes(model=model, batch=batch, dims=dims,
                             sequence_parallel=False,  # the trainer's TP has no sequence parallelism yet
                             fused_attention=fused_attention,
                             # DeepSpeed's PipelineEngine runs its own 1F1B-style schedule.
                             pp_schedule=strategy.pp_schedule if strategy.engine == "fsdp"
-                            else "1f1b")
+                            else "1f1b", extra_sbh=extra)
+    layer = layer_bytes(model=model, batch=batch, dims=dims, fused_attention=fused_attention,
+                        extra_sbh=extra)
     buffers = _comm_buffers(strategy=strategy, psi=psi, pb=pb,
                             unit=decoder_unit_params(model, tp=dims.tp, pp=dims.pp))
     if batch.activation_checkpointing:
         notes.append("activation checkpointing: 2sbh per layer kept + one layer recomputed")
+    persistent, backward = (None, None) if accounting == "paper" else _grad_phases(
+        strategy, grads=grads, psi=psi, dp=dims.dp, mixed=mixed)
     return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optim),
                            activations=int(acts), buffers=int(buffers),
+                           grads_persistent=None if persistent is None else int(persistent),
+                           grads_backward=None if backward is None else int(backward),
+                           layer_activations=0 if accounting == "paper" else int(layer),
                            host_per_node=int(host), host_offload_per_node=int(host_offload),
                            notes=tuple(notes))
+
+
+def _grad_phases(strategy: Strategy, *, grads: float, psi: int, dp: int,
+                 mixed: bool) -> tuple[float, float]:
+    """(kept between steps, present at the end of backward) parts of ``grads``, per engine, as
+    measured on an H200 (docs/benchmarks/gpu.md: allocated after a step, and the peaks).
+    FSDP2 frees its gradients after the step (``zero_grad(set_to_none)``); DDP's are its
+    all-reduce buckets and stay; DeepSpeed ZeRO-0/1/2 keep none between steps and only the
+    16-bit ones in backward (the fp32 copies are made in the step); ZeRO-3 keeps its 16-bit
+    gradient partition allocated."""
+    if strategy.engine == "ddp":
+        return grads, grads
+    if strategy.engine == "fsdp":
+        return 0.0, grads
+    g16 = (2 * psi / (dp if (strategy.zero_stage or 0) >= 2 else 1)) if mixed else 0.0
+    if strategy.zero_stage == 3:
+        kept = min(grads, 2 * psi / dp) if mixed else 0.0
+        return kept, kept
+    return 0.0, min(grads, g16)
 
 
 def _largest(model: ModelShape, dims: ParallelDims) -> int:
