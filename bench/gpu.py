@@ -106,6 +106,7 @@ class Row:
     log_tail: str = ""
     concurrent: int = 1  # rows measured at the same time as this one (itself included)
     vocab_size: int | None = None  # the trained tokenizer's (the data manifest's)
+    note: str = ""  # said in the table's note column
 
     def __post_init__(self) -> None:
         self.name = f"{self.model.key}-{self.engine}-{'ac' if self.ac else 'noac'}"
@@ -390,9 +391,9 @@ def write_table(out: Path, rows: list[Row], dag: dict[str, Any] | None, *, dry: 
     for r in rows:
         ratio = (r.measured_bytes / r.planned_bytes
                  if r.measured_bytes and r.planned_bytes else None)
-        note = r.error or ""
+        note = "; ".join(x for x in (r.error, r.note) if x)
         if ratio is not None and abs(ratio - 1) > 0.10:
-            note = f"planner off by {100 * (ratio - 1):+.0f} %"
+            note = "; ".join(x for x in (f"planner off by {100 * (ratio - 1):+.0f} %", note) if x)
         if not dry and r.wall_s is not None:
             note = (note + f"; {r.wall_s:.0f} s").lstrip("; ")
         if not dry and r.concurrent > 1:
@@ -450,7 +451,7 @@ def row_record(r: Row) -> dict[str, Any]:
             "micro_batch_size": r.model.micro_batch_size, "seq_len": r.model.seq_len,
             "vocab_size": r.vocab_size, "concurrent": r.concurrent, "params": r.params, "planned_bytes": r.planned_bytes, "breakdown": r.breakdown,
             "measured_bytes": r.measured_bytes, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
-            "wall_s": r.wall_s, "error": r.error, "info": r.info}
+            "wall_s": r.wall_s, "error": r.error, "info": r.info, "note": r.note}
 
 
 def versions() -> dict[str, Any]:
@@ -501,14 +502,14 @@ def replan(src: Path, out: Path, work: Path) -> int:
                        seq_len=r["seq_len"])
         row = Row(spec, r["engine"], r["ac"])
         for key in ("measured_bytes", "tokens_per_s", "mfu", "wall_s", "error", "info",
-                    "vocab_size", "concurrent"):
+                    "vocab_size", "concurrent", "note"):
             setattr(row, key, r.get(key, getattr(row, key)))
         render_row(row, row_config(row, default_cfg, steps_total=steps_total,
                                    gpu_mem_gb=gpu_mem_gb), work, None)
         rows.append(row)
-        if row.measured_bytes and row.planned_bytes:
-            print(f"{row.name:26s} planned {row.planned_bytes / GB:7.2f} GB (was "
-                  f"{r['planned_bytes'] / GB:.2f})  measured {row.measured_bytes / GB:7.2f} GB  "
+        if row.measured_bytes and row.planned_bytes and r["planned_bytes"]:
+            print(f"{row.name:26s} planned {row.planned_bytes / GB:7.3f} GB (was "
+                  f"{r['planned_bytes'] / GB:.3f})  measured {row.measured_bytes / GB:7.3f} GB  "
                   f"ratio {row.measured_bytes / row.planned_bytes:.3f} (was "
                   f"{row.measured_bytes / r['planned_bytes']:.3f})")
     meta["replanned"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -61,6 +61,10 @@ DEEPSPEED_HOST_BUFFER_FACTOR = 1.5
 #: config docs for ``overlap_comm``; HF's DeepSpeed guide: 5e8 buckets → 9 GB =
 #: 5e8 × 2 bytes × 2 buckets × 4.5).
 OVERLAP_COMM_FACTOR = 4.5
+#: cuBLAS and cuBLASLt workspaces, 32 MiB each on Hopper (torch 2.11), taken from the caching
+#: allocator at the first matmul and kept: 67.1 MB more than the model states after a step of
+#: the tiny model on an H200 (docs/benchmarks/gpu.md), where its states are 9 MB.
+CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
 #: ``DistributedDataParallel``'s default gradient bucket (``bucket_cap_mb=25``).
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -95,6 +99,10 @@ class MemoryBreakdown:
     layer_activations: int = 0
     """One layer's activations, alive with the gradients and buffers at the end of backward."""
 
+    persistent_buffers: int = 0
+    """Kept for the whole run, at every moment of a step: the CUDA libraries' workspaces
+    (:data:`CUDA_WORKSPACE_BYTES`) and ZeRO-3's gradient bucket, allocated at start-up."""
+
     host_per_node: int
     """Host RAM per node for offloaded states and start-up copies (DeepSpeed's estimate)."""
 
@@ -118,7 +126,7 @@ class MemoryBreakdown:
         optimizer step, with every gradient and no activations."""
         persistent = self.grads if self.grads_persistent is None else self.grads_persistent
         backward = self.grads if self.grads_backward is None else self.grads_backward
-        return self.params + self.optimizer + max(
+        return self.params + self.optimizer + self.persistent_buffers + max(
             persistent + self.activations,
             backward + self.buffers + self.layer_activations,
             self.grads)
@@ -220,9 +228,10 @@ def layer_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads
 #: residual stream and the norms stay fp32 and the matmul inputs are extra 16-bit casts: 16sbh.
 HF_EXTRA_SBH_16BIT_PARAMS = 6
 HF_EXTRA_SBH_AUTOCAST = 16
-#: The output side per token and vocabulary entry at the loss, mixed precision: bf16 logits 2,
-#: the fp32 copy HF's loss makes 4, cross entropy's saved log-softmax 4, then in its backward
-#: the fp32 gradient 4 and its 16-bit cast 2 while those are still alive (measured as above).
+#: The output side per token and vocabulary entry at its peak, mixed precision: cross entropy's
+#: backward in fp32 (HF's loss upcasts the logits) - the saved log-softmax 4, the dense
+#: gradient nll_loss hands back 4, log-softmax's exp(output) 4 and its result 4 (measured as
+#: above: 15.9 for the 1.1 B model, vocabulary 27,076; ~13 for the tiny one, vocabulary 2,048).
 OUTPUT_SBV_MIXED = 16
 
 
@@ -270,7 +279,9 @@ def activation_bytes(*, model: ModelShape, batch: BatchSpec, dims: ParallelDims,
     layers = math.ceil(model.num_layers / dims.pp)
     if batch.activation_checkpointing:
         kept = 2 * s * b * h / (t if sequence_parallel else 1)
-        stage = layers * kept + per_layer
+        # The layer being recomputed exists only in backward (MemoryBreakdown's end-of-backward
+        # moment counts it); a pipeline stage keeps it with its micro batches in flight.
+        stage = layers * kept + (per_layer if dims.pp > 1 else 0)
     else:
         stage = layers * per_layer
     # 1F1B: the first stage has min(p, micro batches per step) micro batches in flight (§4.2.3);
@@ -378,8 +389,19 @@ def estimate_memory(*, model: ModelShape, dims: ParallelDims, strategy: Strategy
                            grads_persistent=None if persistent is None else int(persistent),
                            grads_backward=None if backward is None else int(backward),
                            layer_activations=0 if accounting == "paper" else int(layer),
+                           persistent_buffers=0 if accounting == "paper" else int(
+                               _persistent_buffers(strategy, pb=pb)),
                            host_per_node=int(host), host_offload_per_node=int(host_offload),
                            notes=tuple(notes))
+
+
+def _persistent_buffers(strategy: Strategy, *, pb: int) -> float:
+    """:data:`CUDA_WORKSPACE_BYTES`, and for ZeRO-3 its 16-bit gradient bucket of
+    ``reduce_bucket_size`` elements, allocated whole at start-up whatever the model's size (0.40
+    GB for a 0.7 M-parameter model on an H200 with the default 2e8)."""
+    bucket = pb * strategy.reduce_bucket_size if strategy.engine == "deepspeed" \
+        and strategy.zero_stage == 3 else 0
+    return CUDA_WORKSPACE_BYTES + bucket
 
 
 def _grad_phases(strategy: Strategy, *, grads: float, psi: int, dp: int,
