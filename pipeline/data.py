@@ -32,6 +32,8 @@ from pipeline.io import sha256_file
 from pipeline.mixture import DEFAULT_SOURCE, MIX_CHUNK, Mixture
 
 STATE_VERSION = 1
+#: Micro steps the loader plans at once (indices and row addresses; see BatchLoader.next_batch).
+PLAN_STEPS = 64
 
 
 class _Shard:
@@ -197,13 +199,22 @@ class PackedDataset:
                 self.shard(k)
         return self._gather(idx, dtype)
 
-    def rows_int64(self, idx: np.ndarray) -> np.ndarray:
-        """Rows at valid indices ``idx`` as int64 (what torch trains on), opening shards as
-        needed: the loader's hot path."""
+    def addresses(self, idx: np.ndarray) -> list[list[int]]:
+        """``[block, row]`` of valid indices ``idx``, opening their shards: what
+        :meth:`gather_at` reads (the loader plans many steps' addresses at once)."""
         if not self._all_open:
             for k in np.unique(np.searchsorted(self.offsets, idx, side="right") - 1).tolist():
                 self.shard(k)
-        return self._gather(idx, np.int64)
+        return self._addr[idx].tolist()
+
+    def gather_at(self, pairs: list[list[int]]) -> np.ndarray:
+        """The rows at ``[block, row]`` addresses, copied in the shards' own dtype (a plain
+        memory copy per row; the caller converts the batch once)."""
+        blocks = self._blocks
+        out = np.empty((len(pairs), self.seq_len), dtype=blocks[pairs[0][0]].dtype)
+        for j, (b, r) in enumerate(pairs):
+            out[j] = blocks[b][r]
+        return out
 
     def _gather(self, idx: np.ndarray, dtype: type) -> np.ndarray:
         """Rows at valid indices ``idx`` of open shards: the hot path, kept minimal."""
@@ -268,6 +279,12 @@ class BatchLoader:
         self._chunk_drawn = (
             None if self.mixture is None else np.zeros(len(self.mixture.names), dtype=np.int64)
         )
+        # This rank's next PLAN_STEPS micro steps, planned at once from cursor _plan_at: their
+        # indices and row addresses (a pure function of the position: a moved cursor simply
+        # misses the plan, and state_dict never sees it).
+        self._plan_at = -1
+        self._plan_idx = np.zeros((0, micro_batch_size), dtype=np.int64)
+        self._plan_addr: list[list[list[int]]] = []
 
     @property
     def epoch(self) -> int:
@@ -339,15 +356,32 @@ class BatchLoader:
         return idx
 
     def next_batch(self) -> dict:
-        """This rank's next micro batch: its rows gathered straight into int64 (one pass).
+        """This rank's next micro batch (``input_ids`` int64, and the ``indices`` drawn).
 
-        Gathering several steps ahead (befa467, 16 steps) measured no faster than this in the
-        same run (bench/loader.py: 0.800 against 0.811 of memmap + torch), so it was reverted.
+        The indices and row addresses of the next :data:`PLAN_STEPS` steps are computed in one
+        go (the per-step lookups were the loader's overhead against a plain memmap); the rows
+        are copied in the shards' dtype and converted once by torch, as the memmap baseline of
+        bench/loader.py does.
         """
         import torch
 
-        idx = self.next_indices()
-        return {"input_ids": torch.from_numpy(self.dataset.rows_int64(idx)), "indices": idx.tolist()}
+        m, dp = self.micro_batch_size, self.dp_size
+        step, rem = divmod(self.cursor - self._plan_at, m * dp)
+        if self._plan_at < 0 or rem or not 0 <= step < len(self._plan_addr):
+            self._plan(PLAN_STEPS)
+            step = 0
+        idx = self._plan_idx[step]
+        rows = self.dataset.gather_at(self._plan_addr[step])
+        self.cursor += m * dp
+        return {"input_ids": torch.from_numpy(rows).to(torch.int64), "indices": idx.tolist()}
+
+    def _plan(self, steps: int) -> None:
+        m, dp = self.micro_batch_size, self.dp_size
+        stream = self.stream(self.cursor, steps * m * dp).reshape(steps, dp, m)
+        self._plan_idx = np.ascontiguousarray(stream[:, self.dp_rank, :])
+        flat = self.dataset.addresses(self._plan_idx.reshape(-1))
+        self._plan_addr = [flat[i * m:(i + 1) * m] for i in range(steps)]
+        self._plan_at = self.cursor
 
     def __iter__(self) -> Iterator[dict]:
         while True:

@@ -181,3 +181,26 @@ def test_manifest_missing_a_key_names_it(data_dir: Path, tmp_path: Path) -> None
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PipelineError, match=r"'splits\.train\.shards\[1\]\.sequences'.*gather"):
         PackedDataset(d)
+
+
+@pytest.mark.parametrize("mixture", [None, {"source0": 1.0}])
+def test_planned_batches_equal_the_stream_step_by_step(data_dir: Path, mixture) -> None:
+    """next_batch plans PLAN_STEPS steps at once: its indices and rows are still exactly the
+    stream's (next_indices, get_rows), across plan and epoch boundaries, for a rank other than
+    0, and after the cursor is moved (a restored state) in the middle of a plan."""
+    from pipeline.data import PLAN_STEPS
+
+    ds = PackedDataset(data_dir)
+    kw = {"micro_batch_size": 3, "dp_rank": 1, "dp_size": 2, "seed": 5, "mixture": mixture}
+    planned, plain = BatchLoader(ds, **kw), BatchLoader(ds, **kw)
+    steps = 5 * PLAN_STEPS - 3
+    assert steps * 6 > len(ds)  # crosses an epoch
+    for step in range(steps):
+        if step == PLAN_STEPS + 5:  # jump back mid-plan, as load_state_dict does
+            planned.cursor = plain.cursor = 6 * 11
+        batch = planned.next_batch()
+        idx = plain.next_indices()
+        assert batch["indices"] == idx.tolist(), step
+        assert batch["input_ids"].dtype == torch.int64
+        assert torch.equal(batch["input_ids"], torch.from_numpy(ds.get_rows(idx, np.int64)))
+    assert planned.state_dict() == plain.state_dict()
