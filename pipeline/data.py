@@ -33,7 +33,7 @@ from pipeline.mixture import DEFAULT_SOURCE, MIX_CHUNK, Mixture
 
 STATE_VERSION = 1
 #: Micro steps the loader plans at once (indices and row addresses; see BatchLoader.next_batch).
-PLAN_STEPS = 64
+PLAN_STEPS = 256
 
 
 class _Shard:
@@ -45,7 +45,10 @@ class _Shard:
         self.path = path
         if not path.is_file():
             raise PipelineError(f"shard {path} is missing: rerun the tokenize stage")
-        size = path.stat().st_size
+        st = path.stat()
+        #: (device, inode, size) of the file verified below: pipeline.joinmap maps only it.
+        self.identity = (st.st_dev, st.st_ino, st.st_size)
+        size = st.st_size
         if size != entry["bytes"]:
             raise PipelineError(
                 f"shard {path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
@@ -78,6 +81,9 @@ class _Shard:
                 "the tokenize stage for it"
             ) from e
         self.starts = np.cumsum([0] + [len(b) for b in self.blocks])
+        self._mmap.seek(0)
+        #: Address of the file's first byte in pyarrow's mapping (blocks are views into it).
+        self.base_address = self._mmap.read_buffer(1).address
         if self.starts[-1] != entry["sequences"]:
             raise PipelineError(
                 f"shard {path} has {self.starts[-1]} sequences, the manifest says "
@@ -140,6 +146,7 @@ class PackedDataset:
         self._blocks: list[np.ndarray] = []
         self._addr = np.zeros((len(self), 2), dtype=np.int64)  # (block, row) per global row
         self._all_open = len(self.entries) == 0
+        self._windows: tuple[np.ndarray, np.ndarray] | bool | None = False  # not tried yet
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -199,6 +206,41 @@ class PackedDataset:
                 self.shard(k)
         return self._gather(idx, dtype)
 
+    def row_windows(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(windows, offsets)``: every shard of the split in one mapping
+        (:mod:`pipeline.joinmap`), row ``i`` being ``windows[offsets[i]]``, so that a batch is
+        one gather (``windows[offsets[idx]]``); None where the shards cannot be joined (then
+        :meth:`gather_at` copies row by row). Opens (verifies) every shard the first time."""
+        if self._windows is not False:
+            return self._windows  # type: ignore[return-value]
+        from pipeline.joinmap import JoinedMap
+
+        self._windows = None
+        self.open_all()
+        shards = [self._shards[k] for k in range(len(self.entries))]
+        if not shards or any(b.dtype != np.int32 or not b.flags.c_contiguous
+                             for sh in shards for b in sh.blocks):
+            return None
+        joined = JoinedMap.create([sh.path for sh in shards], [sh.identity for sh in shards])
+        if joined is None:
+            return None
+        flat = joined.array(np.int32)
+        windows = np.lib.stride_tricks.sliding_window_view(flat, self.seq_len)
+        offsets = np.empty(len(self), dtype=np.int64)
+        for k, sh in enumerate(shards):
+            for b, blk in enumerate(sh.blocks):
+                byte = joined.starts[k] + blk.ctypes.data - sh.base_address
+                lo = int(self.offsets[k] + sh.starts[b])
+                first = byte // 4
+                offsets[lo:lo + len(blk)] = first + np.arange(len(blk), dtype=np.int64) * self.seq_len
+                # The arithmetic checked on the block's ends: a wrong offset falls back.
+                if byte % 4 or (len(blk) and not (
+                        np.array_equal(windows[first], blk[0])
+                        and np.array_equal(windows[offsets[lo + len(blk) - 1]], blk[-1]))):
+                    return None
+        self._windows = (windows, offsets)
+        return self._windows
+
     def addresses(self, idx: np.ndarray) -> list[list[int]]:
         """``[block, row]`` of valid indices ``idx``, opening their shards: what
         :meth:`gather_at` reads (the loader plans many steps' addresses at once)."""
@@ -248,6 +290,7 @@ class BatchLoader:
         shuffle: bool = True,
         mixture: dict[str, float] | None = None,
         on_exhausted: str = "repeat",
+        joined: bool = True,
     ) -> None:
         if micro_batch_size < 1:
             raise PipelineError(f"micro_batch_size {micro_batch_size} must be at least 1")
@@ -266,6 +309,9 @@ class BatchLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.on_exhausted = on_exhausted
+        #: Gather batches from every shard joined in one mapping (False: row by row; the same
+        #: rows, kept for platforms without it and for the tests that compare the two).
+        self.joined = joined
         self.mixture = None if mixture is None else Mixture(dataset.sources, mixture, seed)
         self._n = len(dataset)
         self.cursor = 0  # position in the global stream of the next entry to hand out
@@ -284,7 +330,10 @@ class BatchLoader:
         # misses the plan, and state_dict never sees it).
         self._plan_at = -1
         self._plan_idx = np.zeros((0, micro_batch_size), dtype=np.int64)
-        self._plan_addr: list[list[list[int]]] = []
+        self._plan_addr: list[list[list[int]]] = []  # per-row copy: [block, row] of each row
+        self._plan_off: list[np.ndarray] | None = None  # joined shards: each row's window
+        self._plan_lists: list[list[int]] = []
+        self._windows: np.ndarray | None = None
 
     @property
     def epoch(self) -> int:
@@ -367,20 +416,29 @@ class BatchLoader:
 
         m, dp = self.micro_batch_size, self.dp_size
         step, rem = divmod(self.cursor - self._plan_at, m * dp)
-        if self._plan_at < 0 or rem or not 0 <= step < len(self._plan_addr):
+        if self._plan_at < 0 or rem or not 0 <= step < len(self._plan_idx):
             self._plan(PLAN_STEPS)
             step = 0
-        idx = self._plan_idx[step]
-        rows = self.dataset.gather_at(self._plan_addr[step])
+        if self._plan_off is not None:
+            rows = self._windows[self._plan_off[step]]  # one gather over every shard
+        else:
+            rows = self.dataset.gather_at(self._plan_addr[step])
         self.cursor += m * dp
-        return {"input_ids": torch.from_numpy(rows).to(torch.int64), "indices": idx.tolist()}
+        return {"input_ids": torch.from_numpy(rows).to(torch.int64),
+                "indices": self._plan_lists[step]}
 
     def _plan(self, steps: int) -> None:
         m, dp = self.micro_batch_size, self.dp_size
         stream = self.stream(self.cursor, steps * m * dp).reshape(steps, dp, m)
         self._plan_idx = np.ascontiguousarray(stream[:, self.dp_rank, :])
-        flat = self.dataset.addresses(self._plan_idx.reshape(-1))
-        self._plan_addr = [flat[i * m:(i + 1) * m] for i in range(steps)]
+        self._plan_lists = self._plan_idx.tolist()  # each step's "indices", made at once
+        joined = self.dataset.row_windows() if self.joined else None
+        if joined is not None:
+            self._windows, offsets = joined
+            self._plan_off = list(offsets[self._plan_idx])  # a row of offsets per step
+        else:
+            flat = self.dataset.addresses(self._plan_idx.reshape(-1))
+            self._plan_addr = [flat[i * m:(i + 1) * m] for i in range(steps)]
         self._plan_at = self.cursor
 
     def __iter__(self) -> Iterator[dict]:

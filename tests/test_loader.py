@@ -183,16 +183,21 @@ def test_manifest_missing_a_key_names_it(data_dir: Path, tmp_path: Path) -> None
         PackedDataset(d)
 
 
+@pytest.mark.parametrize("joined", [True, False])
 @pytest.mark.parametrize("mixture", [None, {"source0": 1.0}])
-def test_planned_batches_equal_the_stream_step_by_step(data_dir: Path, mixture) -> None:
-    """next_batch plans PLAN_STEPS steps at once: its indices and rows are still exactly the
-    stream's (next_indices, get_rows), across plan and epoch boundaries, for a rank other than
-    0, and after the cursor is moved (a restored state) in the middle of a plan."""
+def test_planned_batches_equal_the_stream_step_by_step(data_dir: Path, mixture, joined) -> None:
+    """next_batch plans PLAN_STEPS steps at once and gathers from every shard joined in one
+    mapping (or row by row): its indices and rows are still exactly the stream's
+    (next_indices; get_rows through pyarrow's own views), across plan and epoch boundaries, for
+    a rank other than 0, and after the cursor is moved (a restored state) in a plan."""
     from pipeline.data import PLAN_STEPS
 
     ds = PackedDataset(data_dir)
     kw = {"micro_batch_size": 3, "dp_rank": 1, "dp_size": 2, "seed": 5, "mixture": mixture}
-    planned, plain = BatchLoader(ds, **kw), BatchLoader(ds, **kw)
+    planned, plain = BatchLoader(ds, **kw, joined=joined), BatchLoader(ds, **kw)
+    if joined:  # this machine (Linux x86-64/aarch64) joins the three shards
+        _windows, offsets = ds.row_windows()
+        assert len(ds.entries) == 3 and len(offsets) == len(ds)
     steps = 5 * PLAN_STEPS - 3
     assert steps * 6 > len(ds)  # crosses an epoch
     for step in range(steps):
@@ -204,3 +209,4 @@ def test_planned_batches_equal_the_stream_step_by_step(data_dir: Path, mixture) 
         assert batch["input_ids"].dtype == torch.int64
         assert torch.equal(batch["input_ids"], torch.from_numpy(ds.get_rows(idx, np.int64)))
     assert planned.state_dict() == plain.state_dict()
+    assert (planned._plan_off is not None) == joined
