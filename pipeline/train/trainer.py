@@ -80,11 +80,19 @@ class StopRequest:
 def select_device(run: RunConfig, env: RankEnv) -> torch.device:
     """This rank's device: its local GPU (``cluster.device`` cuda, or auto with one), else cpu."""
     want = run.cluster.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise PipelineError("cluster.device is cuda but no GPU is visible to this process")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and visible < env.local_world_size:
+        raise PipelineError(
+            f"cluster.device is cuda with {env.local_world_size} process(es) on this node "
+            f"(cluster.gpus_per_node) but {visible} GPU(s) are visible to them: lower "
+            "cluster.gpus_per_node, or make the GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if want == "cuda" or (want == "auto" and visible >= env.local_world_size):
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank)
+    if want == "auto" and visible:  # e.g. the default's 2 processes on a 1-GPU workstation
+        log.warning("cluster.device auto: %d GPU(s) for %d processes on this node: training "
+                    "on the CPU (set cluster.gpus_per_node: %d to use them)", visible,
+                    env.local_world_size, visible)
     return torch.device("cpu")
 
 
