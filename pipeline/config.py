@@ -209,7 +209,8 @@ class ClusterConfig(_Strict):
     gpus_per_node: int = Field(2, ge=1, le=MAX_GPUS_PER_NODE)
     """Processes per node: GPUs on a GPU node, CPU processes on a CPU node."""
     device: Device = "auto"
-    """``auto`` uses CUDA when available, else CPU with gloo."""
+    """``auto`` uses CUDA when every process of a node has a GPU of its own (``gpus_per_node``
+    GPUs visible), else the CPU with gloo; ``cuda`` requires them; ``cpu`` never uses one."""
     gpu_mem_gb: float = Field(80.0, gt=0, le=100_000)
     """Memory of one GPU, for the memory plan."""
     host_mem_gb: float = Field(256.0, gt=0, le=1_000_000)
