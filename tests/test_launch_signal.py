@@ -65,9 +65,11 @@ def test_stop_recorded_by_a_rank_0_on_another_node_is_waited_for(task: launch.No
     task._proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     task._proc.wait()
     th = _later(run_dir / "stopped.json", {"step": 17}, 3.5)
+    task.local_env = {"CUDA_VISIBLE_DEVICES": "3"}
     out = task.checkpoint()
     th.join()
     assert isinstance(out, submitit.helpers.DelayedSubmission)
+    assert out.function.local_env == {"CUDA_VISIBLE_DEVICES": "3"}  # the requeued task's GPUs
     saved = [e for e in _events(run_dir) if e["event"] == "launch.saved"]
     assert saved and saved[0]["stopped_at"] == 17 and saved[0]["rc"] == 1
     assert [e["reason"] for e in _events(run_dir) if e["event"] == "launch.requeue"] == ["timeout"]

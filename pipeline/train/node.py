@@ -514,6 +514,7 @@ class NodeTask(submitit.helpers.Checkpointable):
         append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="requeue")
         fresh = NodeTask(self.run_dir, self.data_dir, self.nproc_per_node, self.nnodes,
                          self.policy)
+        fresh.local_env = getattr(self, "local_env", None)  # a requeued local job keeps its GPUs
         return submitit.helpers.DelayedSubmission(fresh)
 
 
