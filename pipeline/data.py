@@ -329,10 +329,9 @@ class BatchLoader:
         # indices and row addresses (a pure function of the position: a moved cursor simply
         # misses the plan, and state_dict never sees it).
         self._plan_at = -1
-        self._plan_idx = np.zeros((0, micro_batch_size), dtype=np.int64)
         self._plan_addr: list[list[list[int]]] = []  # per-row copy: [block, row] of each row
         self._plan_off: list[np.ndarray] | None = None  # joined shards: each row's window
-        self._plan_lists: list[list[int]] = []
+        self._plan_lists: list[list[int]] = []  # each planned step's "indices"
         self._windows: np.ndarray | None = None
 
     @property
@@ -416,7 +415,7 @@ class BatchLoader:
 
         m, dp = self.micro_batch_size, self.dp_size
         step, rem = divmod(self.cursor - self._plan_at, m * dp)
-        if self._plan_at < 0 or rem or not 0 <= step < len(self._plan_idx):
+        if self._plan_at < 0 or rem or not 0 <= step < len(self._plan_lists):
             self._plan(PLAN_STEPS)
             step = 0
         if self._plan_off is not None:
@@ -430,14 +429,15 @@ class BatchLoader:
     def _plan(self, steps: int) -> None:
         m, dp = self.micro_batch_size, self.dp_size
         stream = self.stream(self.cursor, steps * m * dp).reshape(steps, dp, m)
-        self._plan_idx = np.ascontiguousarray(stream[:, self.dp_rank, :])
-        self._plan_lists = self._plan_idx.tolist()  # each step's "indices", made at once
+        idx = np.ascontiguousarray(stream[:, self.dp_rank, :])
+        self._plan_lists = idx.tolist()  # each step's "indices", made at once
         joined = self.dataset.row_windows() if self.joined else None
         if joined is not None:
             self._windows, offsets = joined
-            self._plan_off = list(offsets[self._plan_idx])  # a row of offsets per step
+            self._plan_off = list(offsets[idx])  # a row of offsets per step
         else:
-            flat = self.dataset.addresses(self._plan_idx.reshape(-1))
+            self._plan_off = None
+            flat = self.dataset.addresses(idx.reshape(-1))
             self._plan_addr = [flat[i * m:(i + 1) * m] for i in range(steps)]
         self._plan_at = self.cursor
 
