@@ -335,15 +335,12 @@ def replan(src: Path, out: Path, work: Path) -> int:
     """Re-plan the rows of a GPU run's ``gpu.json`` with this checkout's planner (render only,
     no GPU) and rewrite the table: how a planner fix is checked against figures already
     measured. The measured columns are copied, never recomputed."""
-    import re
-
     import yaml
 
     rec = json.loads(src.read_text())
     default_cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     meta = dict(rec["meta"])
-    m = re.search(r"\(([\d.]+) GB\)", meta.get("device", ""))
-    gpu_mem_gb = float(m.group(1)) if m else 80.0
+    gpu_mem_gb = float(meta.get("gpu_mem_gb", 80.0))  # only the fit check reads it
     steps_total = rec["warmup"] + rec["steps"]
     by_key = {spec.key: spec for spec in models(default_cfg, 8)}
     rows: list[Row] = []
@@ -475,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         device, gpu_mem = query_gpu()
         gpu_mem_gb = args.gpu_mem_gb or round(gpu_mem, 1)
         device = f"{device} ({gpu_mem:.1f} GB)"
-    meta = {**versions(), "device": device,
+    meta = {**versions(), "device": device, "gpu_mem_gb": gpu_mem_gb,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "wall": ""}
     by_key = {m.key: m for m in models(default_cfg, args.micro_1b)}
     specs = [by_key[k] for k in args.models.split(",")]
