@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,9 @@ import psutil
 import pytest
 import yaml
 
+from pipeline.artifacts import heartbeat_path
 from pipeline.goodput import PARTS, goodput
+from pipeline.train.watchdog import Limits, Watch, kill_tree
 from tests.conftest import PY, subprocess_env
 from tests.test_resume import CONFIG, run_cli, tokenize_for_tests
 
@@ -208,3 +211,53 @@ def test_local_gpu_env_keeps_the_shells_gpus():
         "CUDA_VISIBLE_DEVICES": "GPU-1f2e"}
     assert local_gpu_env("auto", {}) == {"CUDA_VISIBLE_DEVICES": None}  # unset: all GPUs
     assert local_gpu_env("cpu", {"CUDA_VISIBLE_DEVICES": "0"}) == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _fake_torchrun(ranks: int) -> tuple[subprocess.Popen, list[int]]:
+    """A parent with ``ranks`` sleeping children that carry RANK in their environment (as
+    torchrun's workers do); returns it and the children's pids, in rank order."""
+    code = ("import os, subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+            "                         env={**os.environ, 'RANK': str(r)}) for r in range(RANKS)]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "time.sleep(60)\n").replace("RANKS", str(ranks))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    return parent, [int(p) for p in parent.stdout.readline().split()]
+
+
+def _beat(run_dir: Path, rank: int, pid: int, step: int) -> None:
+    path = heartbeat_path(run_dir, rank)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "step": step, "phase": "train", "host": "h",
+                                "pid": pid, "time": time.time()}))
+
+
+def test_a_waiting_node_defers_to_the_node_of_the_frozen_rank(tmp_path: Path):
+    """Several nodes: stale ranks that are only waiting (blocked in a collective) are reported
+    ``defer_s`` after their limit, a stopped rank at its limit (the race of the Slurm test:
+    throttled heartbeats let the blocked node see its limit pass first)."""
+    parent, pids = _fake_torchrun(2)
+    try:
+        for rank, pid in enumerate(pids):
+            _beat(tmp_path, rank, pid, 7)
+        limits = Limits(train_s=0.5, startup_s=0.5, save_s=0.5)
+        waiting = Watch(tmp_path, parent.pid, limits, defer_s=1.5)
+        alone = Watch(tmp_path, parent.pid, limits)
+        assert waiting.poll() == [] and alone.poll() == []
+        time.sleep(1.0)
+        assert waiting.poll() == []  # past the limit, within the deferral
+        assert [s.rank for s in alone.poll()] == [0, 1]  # one node: nobody else to wait for
+        time.sleep(1.2)
+        assert [s.rank for s in waiting.poll()] == [0, 1]  # past limit + defer_s
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(0.1)
+        frozen = Watch(tmp_path, parent.pid, limits, defer_s=30)
+        frozen.poll()
+        time.sleep(0.8)
+        stale = frozen.poll()  # a stopped rank: named at its limit, deferral or not
+        assert [(s.rank, s.suspect) for s in stale] == [(1, True), (0, False)]
+        assert stale[0].state.startswith("stopped")
+    finally:
+        kill_tree(parent.pid)
+        parent.wait()

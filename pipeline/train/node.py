@@ -75,6 +75,10 @@ RDZV_ERROR_RE = re.compile(
 #: Seconds a signal may come before the limit and still count as the time-limit warning:
 #: slurmctld checks limits about every 30 s, so the warning lands up to ~60 s early.
 TIMEOUT_SLACK_S = 75
+#: In a job of several nodes, the seconds a node whose stale ranks are only waiting (none
+#: stopped) leaves the other nodes to name the frozen rank (:class:`Watch`'s ``defer_s``): the
+#: heartbeat throttle (1 s) plus both nodes' poll intervals (1 s each), with room to spare.
+HANG_DEFER_S = 5.0
 
 
 def requeues_of(run_dir: Path, job_id: str, reason: str) -> int:
@@ -237,7 +241,8 @@ class NodeTask(submitit.helpers.Checkpointable):
         o = self.opts
         watch = Watch(Path(self.run_dir), self._proc.pid,
                       Limits(train_s=o.hang_timeout_s, startup_s=o.hang_startup_s,
-                             save_s=o.hang_save_s))
+                             save_s=o.hang_save_s),
+                      defer_s=HANG_DEFER_S if self._node and self._node.nnodes > 1 else 0.0)
         next_check = 0.0
         while (rc := self._proc.poll()) is None:
             if time.monotonic() >= next_check and not self._hung:

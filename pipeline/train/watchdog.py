@@ -181,11 +181,19 @@ class Watch:
     ``poll()`` returns the ranks that are past their phase's limit (empty while all progress).
     A worker that has written no heartbeat (yet) is in the ``start`` phase since the watch
     began; a heartbeat file whose pid is not one of this torchrun's workers (an earlier
-    attempt's, another node's) is ignored."""
+    attempt's, another node's) is ignored.
+
+    ``defer_s`` (jobs of several nodes): when none of this node's stale ranks is stopped, they
+    are most likely blocked in a collective on a rank of another node, and that rank's node
+    should name it. Heartbeats are throttled (:data:`BEAT_INTERVAL_S`), so the blocked ranks'
+    last beat can be older than the frozen one's and their node would see the limit pass
+    first; waiting ``defer_s`` more lets the culprit's node report (its kill then ends this
+    node's torchrun too). A stopped rank is reported at once."""
 
     run_dir: Path
     torchrun_pid: int
     limits: Limits
+    defer_s: float = 0.0
     host: str = field(default_factory=socket.gethostname)
     _seen: dict[int, tuple[Any, float]] = field(default_factory=dict)
     _ranks: dict[int, int | None] = field(default_factory=dict)
@@ -230,6 +238,9 @@ class Watch:
             # A stopped rank is frozen however recent its last heartbeat (heartbeats are
             # throttled, so the rank blocked waiting for it may look older): name it too.
             stale += [f for f in fresh if f.state.startswith("stopped")]
+            waiting = not any(s.state.startswith("stopped") for s in stale)
+            if waiting and max(s.stale_s - s.limit_s for s in stale) <= self.defer_s:
+                return []
         return _suspects(stale)
 
 
