@@ -1,30 +1,32 @@
-"""Resume-time reading of a checkpoint: every rank verifies the files it will read, from the
-very bytes the engine then deserializes.
+"""Resume-time reading of a checkpoint: every rank verifies the files it will read, and the
+engine then reads them (re-hashed on the way, :mod:`pipeline.checkpoint_stream`).
 
-Before (issue 14), a resume read the checkpoint twice: rank 0 hashed every file
-(``checkpoint.verify``), then each engine read its files again from disk. Now:
+Before (issue 14), rank 0 hashed every file (``checkpoint.verify``) before the engines read
+them. Now:
 
 1. rank 0 checks the folder's structure (:func:`pipeline.checkpoint.verify` with
    ``contents=False``: manifest, sizes, no links, nothing unlisted) and the config/data hashes,
    and broadcasts its choice;
-2. every rank reads the files it will load (:func:`claims`: its own DCP shard files, its own
-   DeepSpeed partition, the files every rank reads) into page-aligned memory with large
-   ``O_DIRECT`` reads (:func:`read_file`), hashes those bytes and compares them with the
-   manifest; the files nobody claims are shared out by size (:func:`assign`) and verified too,
-   so that together the ranks verify the whole checkpoint;
+2. every rank hashes its share (:func:`assign`): the files it will load (:func:`claims`: its
+   own DCP shard files, its own DeepSpeed partition), a large file several ranks load by one of
+   them, and the files nobody claims shared out by size, so that together the ranks verify the
+   whole checkpoint. Small files (at most :data:`KEEP_BYTES`: DCP's pickled index, the trainer
+   state) are read whole into memory and kept; large ones are hashed with ``O_DIRECT`` through a
+   few reused buffers (:func:`~pipeline.checkpoint_stream.digest_file_direct`; why not held in
+   memory: the module's docstring there);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
    to the next older checkpoint, as a corrupt file always did; a DeepSpeed file whose checksum
    matches but whose pickle names globals beyond the allow-list stops every rank with the same
    error, as the engine's load did);
-4. the engine deserializes from the verified memory (:meth:`VerifiedFiles.dcp_filesystem` for
-   DCP's reader, :meth:`VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine), and reads
-   from disk only what no memory holds (files another rank verified, or beyond the memory
-   budget).
+4. the engine reads through :class:`VerifiedFiles` (:meth:`~VerifiedFiles.dcp_filesystem` for
+   DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
+   files from the verified memory, large ones through a
+   :class:`~pipeline.checkpoint_stream.DirectStream` that hashes them again as they are read and
+   fails if they changed since step 2.
 
 Which rank reads which file is decided from the file names alone (the manager does not know the
-engine's layout): a wrong guess costs a second read from disk, never correctness. Shared files
-(read by several ranks) are read through the page cache, so that the node reads them once.
+engine's layout): a wrong guess costs a read more, never correctness.
 """
 
 from __future__ import annotations
@@ -32,26 +34,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
-import mmap
 import os
 import re
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from pipeline.checkpoint_stream import DirectStream, Windows, digest_file_direct, open_read
 from pipeline.errors import PipelineError
-from pipeline.fastio import ALIGN, DIGEST
+from pipeline.fastio import DIGEST
 
-#: One read request: large enough that the disk streams, small enough that several are in
-#: flight at once (queue depth helps virtual and NVMe disks alike).
-CHUNK_BYTES = 16 << 20
-#: Files under this size are read through the page cache (one small request either way).
-SMALL_BYTES = 1 << 20
-READ_THREADS = 4
+#: Files up to this size are verified in memory and served from there; larger ones are hashed
+#: through reused buffers and read again by the engine.
+KEEP_BYTES = 1 << 20
 
 _DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
 _RNG = re.compile(r"^rng/rank-(\d+)\.pt$")
@@ -94,13 +92,16 @@ def claims(files: dict[str, dict[str, Any]], world: int, saved_world: Any) -> di
 
 
 def assign(files: dict[str, dict[str, Any]], world: int, saved_world: Any) -> dict[int, list[str]]:
-    """The files each rank verifies: those it claims (:func:`claims`), and the unclaimed rest
+    """The files each rank verifies: those it claims (:func:`claims`; a large file that
+    several ranks claim by the one of them with the fewest bytes so far), and the unclaimed rest
     shared out largest first to the rank with the fewest bytes so far (so that every file is
     verified by at least one rank)."""
     who = claims(files, world, saved_world)
     out: dict[int, list[str]] = {r: [] for r in range(world)}
     load = [0] * world
-    for rel, ranks in who.items():
+    for rel, ranks in sorted(who.items(), key=lambda kv: (len(kv[1]), kv[0])):
+        if len(ranks) > 1 and files[rel]["bytes"] > KEEP_BYTES:
+            ranks = [min(ranks, key=lambda i: (load[i], i))]
         for r in ranks:
             out[r].append(rel)
             load[r] += files[rel]["bytes"]
@@ -111,74 +112,21 @@ def assign(files: dict[str, dict[str, Any]], world: int, saved_world: Any) -> di
     return out
 
 
-def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    """A read-only descriptor that follows no symbolic link; O_DIRECT where asked and allowed."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT), True
-        except OSError as err:
-            if err.errno != errno.EINVAL:  # tmpfs and some network filesystems refuse O_DIRECT
-                raise
-    return os.open(path, flags), False
-
-
-def read_file(path: Path, size: int, *, direct: bool = True,
-              pool: ThreadPoolExecutor | None = None,
-              in_file: bool = False) -> tuple[memoryview, int | None]:
-    """The ``size`` bytes of ``path`` in page-aligned memory (an anonymous mmap, as O_DIRECT
-    needs), read in :data:`CHUNK_BYTES` requests, several in flight when ``pool`` is given.
-    ``OSError`` if the file is not exactly ``size`` bytes long.
-
-    ``in_file``: the memory is an in-memory file (``memfd_create``, Linux) whose descriptor
-    comes back too, so that ``torch.load(mmap=True)`` maps the verified bytes without a copy;
-    otherwise (and where there is no ``memfd_create``) the descriptor is None."""
-    if size == 0:
-        with open(path, "rb") as f:
-            if f.read(1):
-                raise OSError(errno.EIO, f"{path} is longer than 0 bytes")
-        return memoryview(b""), None
-    padded = -(-size // ALIGN) * ALIGN
-    mem_fd = None
-    if in_file and hasattr(os, "memfd_create"):
-        mem_fd = os.memfd_create(path.name, getattr(os, "MFD_CLOEXEC", 0))
-        os.ftruncate(mem_fd, padded)
-        buf = mmap.mmap(mem_fd, padded)
-    else:
-        buf = mmap.mmap(-1, padded)
-    if size >= CHUNK_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while the reads fill it
-    view = memoryview(buf)
-    fd, is_direct = _open(path, direct)
+def read_file(path: Path, size: int) -> memoryview:
+    """The ``size`` bytes of a small file (at most :data:`KEEP_BYTES`), through the page
+    cache. ``OSError`` if the file is not exactly ``size`` bytes long."""
+    fd, _ = open_read(path, direct=False)
     try:
-        if hasattr(os, "posix_fadvise") and not is_direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-
-        def chunk(off: int) -> int:
-            # O_DIRECT reads whole aligned blocks: ask for the padded length, get the file's.
-            end = min(off + CHUNK_BYTES, len(view))
-            got = 0
-            while off + got < end:
-                n = os.preadv(fd, [view[off + got:end]], off + got)
-                if n == 0:
-                    break
-                got += n
-            return got
-
-        offsets = range(0, size, CHUNK_BYTES)
-        got = sum(pool.map(chunk, offsets) if pool is not None and len(offsets) > 1
-                  else map(chunk, offsets))
+        data = bytearray(size)
+        view = memoryview(data)
+        got = 0
+        while got < size and (n := os.preadv(fd, [view[got:]], got)) > 0:
+            got += n
         if got != size or os.fstat(fd).st_size != size:
             raise OSError(errno.EIO, f"read {got} bytes, the manifest says {size}")
-        if mem_fd is not None:
-            os.ftruncate(mem_fd, size)  # the file's own length (the zip directory is at its end)
-    except BaseException:
-        if mem_fd is not None:
-            os.close(mem_fd)
-        raise
     finally:
         os.close(fd)
-    return view[:size], mem_fd
+    return view
 
 
 class _MemoryFile(io.RawIOBase):
@@ -222,14 +170,19 @@ class _MemoryFile(io.RawIOBase):
 
 @dataclass
 class VerifiedFiles:
-    """The bytes this rank verified and kept, by path relative to the checkpoint ``root``."""
+    """What this rank verified, for the engine to read: the small files' bytes (``data``), and
+    the manifest's checksum of every file (``digests``), by path relative to ``root``."""
 
     root: Path
     data: dict[str, memoryview] = field(default_factory=dict)
-    fds: dict[str, int] = field(default_factory=dict)
-    """In-memory files holding ``data`` (:func:`read_file`'s ``in_file``), by the same path."""
+    digests: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    """(bytes, xxh3-128 or None) of every file of the checkpoint: a large file is read through a
+    re-hashing :class:`~pipeline.checkpoint_stream.DirectStream`."""
+    windows: Windows = field(default_factory=Windows)
     served: int = 0
-    """Bytes the engine read from here rather than from disk."""
+    """Bytes the engine read from memory."""
+    streamed: int = 0
+    """Bytes the engine read through re-hashing streams."""
 
     def _rel(self, path: str | os.PathLike) -> str | None:
         try:
@@ -243,18 +196,26 @@ class VerifiedFiles:
 
     @contextlib.contextmanager
     def open(self, path: str | os.PathLike) -> Iterator[io.RawIOBase]:
-        """``path`` from memory if this rank kept it, else from disk (verified by another rank)."""
+        """``path`` from memory if this rank kept it, else through a re-hashing stream (a file of
+        the checkpoint), else from disk."""
         view = self.get(path)
-        if view is None:
-            with open(path, "rb") as f:
+        if view is not None:
+            self.served += len(view)
+            with _MemoryFile(view) as f:
                 yield f
             return
-        self.served += len(view)
-        with _MemoryFile(view) as f:
+        rel = self._rel(path)
+        if rel in self.digests:
+            size, digest = self.digests[rel]
+            self.streamed += size
+            with DirectStream(Path(path), size, digest, self.windows) as f:
+                yield f
+            return
+        with open(path, "rb") as f:
             yield f
 
     def dcp_filesystem(self) -> Any:
-        """A DCP ``FileSystem`` whose read streams serve the verified bytes (set it as a
+        """A DCP ``FileSystem`` whose read streams are :meth:`open`'s (set it as a
         ``FileSystemReader``'s ``fs``)."""
         from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -273,37 +234,35 @@ class VerifiedFiles:
         return _VerifiedFileSystem()
 
     def ds_loader(self) -> Callable[..., Any]:
-        """DeepSpeed's checkpoint-engine ``load``: the allow-listed ``weights_only`` load of
-        :func:`pipeline.checkpoint_tensors.load_ds_file_for_engine`, from memory when kept."""
-        from pipeline.checkpoint_tensors import load_ds_file_for_engine
+        """DeepSpeed's checkpoint-engine ``load``: ``weights_only=True`` with the file's own
+        globals, all within :data:`~pipeline.checkpoint_tensors.DS_GLOBALS`, read through
+        :meth:`open` (the globals from a few small reads of the file or the kept bytes: the
+        pickle sits at the start of the zip, its directory at the end)."""
 
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
             view = self.get(path)
-            if view is None:
-                return load_ds_file_for_engine(path, map_location=map_location)
-            self.served += len(view)
-            return load_ds_bytes(view, Path(path), map_location, self.fds.get(self._rel(path)))
+            with _MemoryFile(view) if view is not None else open(path, "rb") as g:
+                classes = ds_classes(g, Path(path))
+            with self.open(path) as f:
+                return load_ds_stream(f, Path(path), classes, map_location)
 
         return load
 
     def release(self) -> None:
-        """Drop the kept bytes (after the engine loaded them; tensors still mapped from an
-        in-memory file keep its pages)."""
+        """Drop the kept bytes and the read buffers (after the engine loaded them)."""
         self.data.clear()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.windows.close()
 
 
-def ds_globals_refused(view: memoryview, name: Path) -> str | None:
-    """The reason a DeepSpeed ``*.pt`` file is refused (globals beyond the allow-list or a
-    garbled file), or None."""
+def ds_globals_refused(f: Any, name: Path) -> str | None:
+    """The reason the DeepSpeed ``*.pt`` file open as ``f`` is refused (globals beyond the
+    allow-list or a garbled file), or None."""
     import torch
 
     from pipeline.checkpoint_tensors import DS_GLOBALS
 
     try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(_MemoryFile(view))
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(f)
     except Exception as err:  # a truncated or garbled file: the same answer for every kind
         return f"{name}: not a readable torch checkpoint file ({err})"
     foreign = [g for g in unsafe if g not in DS_GLOBALS]
@@ -312,94 +271,85 @@ def ds_globals_refused(view: memoryview, name: Path) -> str | None:
     return None
 
 
-def load_ds_bytes(view: memoryview, name: Path, map_location: Any = None,
-                  fd: int | None = None) -> Any:
-    """A verified DeepSpeed ``*.pt`` file from memory: ``weights_only=True`` with
-    :data:`~pipeline.checkpoint_tensors.DS_GLOBALS` as the only extra globals. ``fd``: the
-    in-memory file holding ``view``, memory-mapped by ``torch.load`` (no copy of the tensors;
-    DeepSpeed's model-states file is loaded twice, and copies its tensors out anyway)."""
+def ds_classes(f: Any, name: Path) -> list[Any]:
+    """The classes the DeepSpeed ``*.pt`` file open as ``f`` pickles, imported; a
+    :class:`~pipeline.errors.PipelineError` unless all are in
+    :data:`~pipeline.checkpoint_tensors.DS_GLOBALS`."""
     import importlib
+
+    import torch
+
+    why = ds_globals_refused(f, name)
+    if why is not None:
+        raise PipelineError(why)
+    f.seek(0)
+    classes = []
+    for g in torch.serialization.get_unsafe_globals_in_checkpoint(f):
+        module, _, attr = g.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), attr))
+    return classes
+
+
+def load_ds_stream(f: Any, name: Path, classes: list[Any], map_location: Any = None) -> Any:
+    """A verified DeepSpeed ``*.pt`` file open as ``f`` (seekable): ``weights_only=True`` with
+    ``classes`` (:func:`ds_classes`) as the only extra globals."""
     import pickle
 
     import torch
 
-    why = ds_globals_refused(view, name)
-    if why is not None:
-        raise PipelineError(why)
-    classes = []
-    for g in torch.serialization.get_unsafe_globals_in_checkpoint(_MemoryFile(view)):
-        module, _, attr = g.rpartition(".")
-        classes.append(getattr(importlib.import_module(module), attr))
     try:
         with torch.serialization.safe_globals(classes):
-            if fd is not None:
-                return torch.load(f"/proc/self/fd/{fd}", weights_only=True, mmap=True,
-                                  map_location=map_location)
-            return torch.load(_MemoryFile(view), weights_only=True, map_location=map_location)
+            return torch.load(f, weights_only=True, map_location=map_location)
     except pickle.UnpicklingError as err:
         raise PipelineError(f"{name}: refused to unpickle ({str(err).splitlines()[0]})") from None
     except (OSError, RuntimeError, EOFError) as err:
         raise PipelineError(f"{name}: not a readable torch checkpoint file ({err})") from None
 
 
-def memory_budget() -> int:
-    """Bytes one rank may keep: half the memory available, shared by the node's ranks."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // (2 * local)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 4 << 30
-
-
-def _digest(view: memoryview) -> str:
-    return xxhash.xxh3_128(view).hexdigest()
-
-
-def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str], shared: set[str],
-                 *, budget: int | None = None) -> tuple[VerifiedFiles, str | None, bool]:
-    """Read and check this rank's files ``mine`` of the checkpoint ``path``; keep their bytes
-    (within ``budget``). Returns the kept bytes, the first failure or None, and whether that
-    failure is a refusal (a DeepSpeed file that names globals beyond the allow-list: its
-    checksum matched, so the checkpoint is tampered with rather than torn) rather than damage.
-
-    ``shared``: files other ranks read too, read through the page cache so that the node reads
-    them from the disk once."""
+def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
+           out: VerifiedFiles) -> tuple[str | None, bool]:
+    """Verify one file of ``mine``: (failure or None, refused). A small file is kept in
+    ``out.data``; a large one is hashed through ``windows``."""
     import hashlib
 
-    budget = memory_budget() if budget is None else budget
-    out = VerifiedFiles(path)
-    kept = 0
-    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-        for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
-            info = files[rel]
-            size = info["bytes"]
-            try:
-                # DeepSpeed's files go to torch.load(mmap=True) from an in-memory file.
-                view, fd = read_file(path / rel, size, pool=pool,
-                                     direct=rel not in shared and size >= SMALL_BYTES,
-                                     in_file=rel.startswith("ds/") and rel.endswith(".pt")
-                                     and kept + size <= budget)
-            except OSError as err:
-                return out, f"{rel} could not be read ({err.strerror or err})", False
-            if DIGEST in info:
-                ok = _digest(view) == info[DIGEST]
-            else:  # manifests written before the switch to xxh3
-                ok = hashlib.sha256(view).hexdigest() == info.get("sha256")
-            if fd is not None:
-                out.fds[rel] = fd  # closed by release(), also on a failure
-            if not ok:
-                return out, f"{rel} does not match its checksum", False
-            if rel.endswith(".pt") and rel.startswith("ds/"):
-                why = ds_globals_refused(view, path / rel)
-                if why is not None:
-                    return out, why, True
-            if kept + size <= budget:
-                out.data[rel] = view
-                kept += size
+    size = info["bytes"]
+    algorithm = DIGEST if DIGEST in info else "sha256"  # manifests from before xxh3
+    try:
+        if size <= KEEP_BYTES:
+            view = read_file(path / rel, size)
+            h: Any = xxhash.xxh3_128(view) if algorithm == DIGEST else hashlib.sha256(view)
+            digest = h.hexdigest()
+        else:
+            view = None
+            digest = digest_file_direct(path / rel, size, windows, algorithm=algorithm)
+    except OSError as err:
+        return f"{rel} could not be read ({err.strerror or err})", False
+    if digest != info.get(algorithm):
+        return f"{rel} does not match its checksum", False
+    if rel.endswith(".pt") and rel.startswith("ds/"):
+        with contextlib.ExitStack() as stack:
+            f = _MemoryFile(view) if view is not None else stack.enter_context(
+                open(path / rel, "rb"))
+            why = ds_globals_refused(f, path / rel)
+        if why is not None:
+            return why, True
+    if view is not None:
+        out.data[rel] = view
+    return None, False
+
+
+def verify_local(path: Path, files: dict[str, dict[str, Any]],
+                 mine: list[str]) -> tuple[VerifiedFiles, str | None, bool]:
+    """Read and check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept).
+    Returns what the engine reads through, the first failure or None, and whether that failure
+    is a refusal (a DeepSpeed file that names globals beyond the allow-list: its checksum
+    matched, so the checkpoint is tampered with rather than torn) rather than damage."""
+    out = VerifiedFiles(path, digests={rel: (info["bytes"], info.get(DIGEST))
+                                       for rel, info in files.items()})
+    for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
+        why, refused = _check(path, rel, files[rel], out.windows, out)
+        if why is not None:
+            return out, why, refused
     return out, None, False
 
 
@@ -428,9 +378,7 @@ def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles,
         why = files
     else:
         mine = assign(files, world, meta.get("world_size"))
-        who = claims(files, world, meta.get("world_size"))
-        shared = {rel for rel, ranks in who.items() if len(ranks) > 1}
-        cache, why, refused = verify_local(path, files, mine[rank], shared)
+        cache, why, refused = verify_local(path, files, mine[rank])
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

@@ -1,0 +1,99 @@
+"""pipeline.checkpoint_stream: the resume's checksum pass and the engine's re-hashing read
+through reused O_DIRECT windows (small windows here, so that a few hundred KB span many)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from pipeline import checkpoint_stream as cs
+from pipeline.errors import PipelineError
+
+
+@pytest.fixture(autouse=True)
+def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cs, "CHUNK_BYTES", 16384)
+    monkeypatch.setattr(cs, "WINDOW_BYTES", 4 * 16384)
+
+
+def _file(tmp_path: Path, size: int, seed: int = 0) -> tuple[Path, bytes]:
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / f"f{size}.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 65536, 65536 * 3 + 123])
+def test_digest_reads_the_whole_file_exactly(tmp_path: Path, size: int) -> None:
+    path, data = _file(tmp_path, size)
+    windows = cs.Windows()
+    try:
+        assert cs.digest_file_direct(path, size, windows) == xxhash.xxh3_128(data).hexdigest()
+        with pytest.raises(OSError, match="manifest says"):
+            cs.digest_file_direct(path, size + 1, windows)
+    finally:
+        windows.close()
+
+
+def test_stream_serves_any_read_order_and_rechecks_a_front_to_back_read(tmp_path: Path) -> None:
+    size = 65536 * 3 + 123
+    path, data = _file(tmp_path, size)
+    digest = xxhash.xxh3_128(data).hexdigest()
+    windows = cs.Windows()
+    rng = np.random.default_rng(1)
+    try:
+        with cs.DirectStream(path, size, digest, windows) as f:
+            for _ in range(50):  # random seeks: the bytes, wherever the window was
+                off, n = int(rng.integers(0, size)), int(rng.integers(1, 100_000))
+                f.seek(off)
+                assert f.read(n) == data[off:off + n]
+            f.seek(0)
+            assert f.read(10) == data[:10]
+            f.seek(-7, io.SEEK_END)
+            assert f.read() == data[-7:]
+        with cs.DirectStream(path, size, digest, windows) as f:
+            got = bytearray()
+            while chunk := f.read(5000):
+                got += chunk
+            assert bytes(got) == data
+        assert f.rechecked
+    finally:
+        windows.close()
+
+
+def test_a_file_changed_after_verification_fails_when_read(tmp_path: Path) -> None:
+    size = 65536 * 2 + 5
+    path, data = _file(tmp_path, size)
+    digest = xxhash.xxh3_128(data).hexdigest()
+    changed = bytearray(data)
+    changed[size - 3] ^= 0xFF  # same size: only the checksum can tell
+    path.write_bytes(bytes(changed))
+    windows = cs.Windows()
+    try:
+        f = cs.DirectStream(path, size, digest, windows)
+        f.read()
+        with pytest.raises(PipelineError, match=f"{path.name} changed after it was verified"):
+            f.close()
+        assert f.closed
+    finally:
+        windows.close()
+
+
+def test_torch_load_through_the_stream_is_rechecked(tmp_path: Path) -> None:
+    state = {"w": torch.randn(300, 200), "step": 3, "b": torch.arange(5000)}
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    data = path.read_bytes()
+    windows = cs.Windows()
+    try:
+        with cs.DirectStream(path, len(data), xxhash.xxh3_128(data).hexdigest(), windows) as f:
+            got = torch.load(f, weights_only=True)
+        assert f.rechecked  # the zip's directory first, then front to back: still rechecked
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    finally:
+        windows.close()
