@@ -23,9 +23,9 @@ them. Now:
    DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
    files from the verified memory; DCP's large ones through a
    :class:`~pipeline.checkpoint_stream.DirectStream` that hashes them again as they are read and
-   fails if they changed since step 2; DeepSpeed's large ones memory-mapped by ``torch.load``
-   (``weights_only`` with the allow-listed globals; not hashed again: the whole-file mapping is
-   what makes DeepSpeed's load fast, see :meth:`VerifiedFiles.ds_loader`).
+   fails if they changed since step 2, and so DeepSpeed's optimizer partitions; DeepSpeed's
+   model-states file memory-mapped by ``torch.load`` (``weights_only`` with the allow-listed
+   globals; not hashed again, see :meth:`VerifiedFiles.ds_loader`).
 
 Which rank reads which file is decided from the file names alone (the manager does not know the
 engine's layout): a wrong guess costs a read more, never correctness.
@@ -238,22 +238,21 @@ class VerifiedFiles:
     def ds_loader(self) -> Callable[..., Any]:
         """DeepSpeed's checkpoint-engine ``load``: ``weights_only=True`` with the file's own
         globals, all within :data:`~pipeline.checkpoint_tensors.DS_GLOBALS`. A kept (small) file
-        from memory; a large one memory-mapped by ``torch.load`` (its pages come from the page
-        cache: no private copy of the tensors, which DeepSpeed copies into its own buffers;
-        measured 1.5-2x faster than copying out of a stream, and the model-states file, which
-        DeepSpeed loads twice, is read from the disk once)."""
+        from memory. A large model-states file memory-mapped by ``torch.load``: DeepSpeed loads
+        it twice and copies its tensors into the module, so mapping the page cache saves a
+        private copy (and a second disk read). A large optimizer partition through
+        :meth:`open` (re-hashed): the optimizer's ``load_state_dict`` keeps the loaded tensors
+        themselves as its state, which must not be pages of a file that could change under
+        training."""
 
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
             view = self.get(path)
-            if view is not None:
-                self.served += len(view)
-                with _MemoryFile(view) as f:
-                    classes = ds_classes(f, Path(path))
-                    f.seek(0)
-                    return load_ds_stream(f, Path(path), classes, map_location)
-            with open(path, "rb") as g:
+            with _MemoryFile(view) if view is not None else open(path, "rb") as g:
                 classes = ds_classes(g, Path(path))
-            return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
+            if view is None and _DS_MODEL.search(Path(path).name):
+                return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
+            with self.open(path) as f:
+                return load_ds_stream(f, Path(path), classes, map_location)
 
         return load
 
