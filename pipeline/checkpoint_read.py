@@ -12,7 +12,7 @@ them. Now:
    them, and the files nobody claims shared out by size, so that together the ranks verify the
    whole checkpoint. Small files (at most :data:`KEEP_BYTES`: DCP's pickled index, the trainer
    state) are read whole into memory and kept; large ones are hashed with ``O_DIRECT`` through a
-   few reused buffers (:func:`~pipeline.checkpoint_stream.digest_file_direct`; why not held in
+   few reused buffers (:func:`~pipeline.checkpoint_stream.digest_file_windowed`; why not held in
    memory: the module's docstring there);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
@@ -22,7 +22,7 @@ them. Now:
 4. the engine reads through :class:`VerifiedFiles` (:meth:`~VerifiedFiles.dcp_filesystem` for
    DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
    files from the verified memory; DCP's large ones through a
-   :class:`~pipeline.checkpoint_stream.DirectStream` that hashes them again as they are read and
+   :class:`~pipeline.checkpoint_stream.WindowStream` that hashes them again as they are read and
    fails if they changed since step 2, and so DeepSpeed's optimizer partitions; DeepSpeed's
    model-states file memory-mapped by ``torch.load`` (``weights_only`` with the allow-listed
    globals; not hashed again, see :meth:`VerifiedFiles.ds_loader`).
@@ -45,13 +45,16 @@ from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint_stream import DirectStream, Windows, digest_file_direct, open_read
+from pipeline.checkpoint_stream import Windows, WindowStream, digest_file_windowed, open_read
 from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST
 
 #: Files up to this size are verified in memory and served from there; larger ones are hashed
 #: through reused buffers and read again by the engine.
 KEEP_BYTES = 1 << 20
+#: Whether the checksum pass reads through the page cache (where the engine's read then finds
+#: the bytes: one read from the disk) rather than with O_DIRECT (two).
+THROUGH_PAGE_CACHE = True
 
 _DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
 _RNG = re.compile(r"^rng/rank-(\d+)\.pt$")
@@ -179,7 +182,7 @@ class VerifiedFiles:
     data: dict[str, memoryview] = field(default_factory=dict)
     digests: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     """(bytes, xxh3-128 or None) of every file of the checkpoint: a large file is read through a
-    re-hashing :class:`~pipeline.checkpoint_stream.DirectStream`."""
+    re-hashing :class:`~pipeline.checkpoint_stream.WindowStream`."""
     windows: Windows = field(default_factory=Windows)
     served: int = 0
     """Bytes the engine read from memory."""
@@ -210,7 +213,8 @@ class VerifiedFiles:
         if rel in self.digests:
             size, digest = self.digests[rel]
             self.streamed += size
-            with DirectStream(Path(path), size, digest, self.windows) as f:
+            with WindowStream(Path(path), size, digest, self.windows,
+                              direct=not THROUGH_PAGE_CACHE) as f:
                 yield f
             return
         with open(path, "rb") as f:
@@ -332,7 +336,8 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
             digest = h.hexdigest()
         else:
             view = None
-            digest = digest_file_direct(path / rel, size, windows, algorithm=algorithm)
+            digest = digest_file_windowed(path / rel, size, windows, algorithm=algorithm,
+                                        direct=not THROUGH_PAGE_CACHE)
     except OSError as err:
         return f"{rel} could not be read ({err.strerror or err})", False
     if digest != info.get(algorithm):

@@ -1,22 +1,24 @@
 """Checkpoint reading through a few reused buffers: the checksum pass of a resume
-(:func:`digest_file_direct`) and the engine's read of the same file (:class:`DirectStream`).
-
-Why reused buffers rather than the file held in fresh memory: the first write to a fresh page
-costs a page fault, and where the guest's free memory is handed back to the hypervisor (free
-page reporting, ballooning: the microVMs and many cloud VMs; here a Firecracker VM with
-``page_reporting``) each such fault is a host fault, serialised across the processes of the
-node. Measured on the development VM (800 MB files, ``O_DIRECT``, 16 MB requests, 4 in
-flight): one process reading into fresh memory 1.3-2.0 GB/s; two processes at once (the two
-ranks of a resume) 355-412 MB/s each; the same two into four reused 16 MB buffers 1.56-1.58
-GB/s each. Holding a rank's whole share in memory between verification and load therefore ran
-at a fifth of the disk. On bare metal the faults are cheap, and the second read of a file
-(the engine's, below) is the cost instead; both are disk-bound there.
+(:func:`digest_file_windowed`) and the engine's read of the same file (:class:`WindowStream`).
 
 A resume reads each large file twice: once to check it against the manifest (no engine reads
-anything before every rank's files matched), once for the engine, through a
-:class:`DirectStream` that hashes again what it reads when it reads the file front to back (DCP
-and ``torch.load`` do, apart from the zip directory at the end): a file changed between the
-two reads is an error, not silently loaded.
+anything before every rank's files matched), once for the engine. The first read goes through
+the page cache (``pipeline.checkpoint_read`` passes ``direct=False``), so the engine's read finds
+the pages there and the disk is read once; when memory is short the kernel evicts them and the
+second read goes to the disk again, slower but the same bytes. The engine reads through a
+:class:`WindowStream` that hashes again what it reads when it reads the file front to back (DCP
+and ``torch.load`` do, apart from a zip directory read early): a file changed between the two
+reads is an error, not silently loaded. ``direct=True`` reads with O_DIRECT instead (both
+passes then read the disk).
+
+Why reused buffers rather than the file held in fresh memory between the two passes (as the
+first version of this did): the first write to a fresh page costs a page fault, and where the
+guest's free memory is handed back to the hypervisor (free page reporting, ballooning: microVMs
+and many cloud VMs; the development machine is a Firecracker VM with ``page_reporting``) each
+such fault is a host fault, serialised across the processes of the node. Measured there (800 MB
+files, ``O_DIRECT``, 16 MB requests, 4 in flight): one process reading into fresh memory
+1.3-2.0 GB/s; two processes at once (the two ranks of a resume) 355-412 MB/s each; the same two
+into four reused 16 MB buffers 1.56-1.58 GB/s each.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class Windows:
             self._free.clear()
 
 
-def digest_file_direct(path: Path, size: int, windows: Windows, *, direct: bool = True,
+def digest_file_windowed(path: Path, size: int, windows: Windows, *, direct: bool = True,
                        algorithm: str = "xxh3_128") -> str:
     """Hex digest (xxh3-128, or sha256 for manifests older than xxh3) of ``path`` read with
     O_DIRECT through one reused window. ``OSError`` if the file is not exactly ``size`` bytes
@@ -142,7 +144,7 @@ def digest_file_direct(path: Path, size: int, windows: Windows, *, direct: bool 
     return h.hexdigest()
 
 
-class DirectStream(io.RawIOBase):
+class WindowStream(io.RawIOBase):
     """A seekable, read-only file over ``path`` for an engine's reader, served from two reused
     windows refilled with O_DIRECT reads (:meth:`Windows.fill`): two, because ``torch.load``
     reads a zip's directory at its end before its records, and a record that straddles a window

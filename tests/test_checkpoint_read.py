@@ -91,7 +91,7 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
     mp.spawn(_worker, args=(str(tmp_path / "store"), [str(shard), str(unread), str(alone)],
                             str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r, got in enumerate(ranks):
+    for got in ranks:
         assert [x["path"] for x in got["result"]] == ["step-000001", "step-000001", None]
         # Each rank kept the small files it verified, for the engine to read from memory; the
         # large shards are read again, re-hashed, when the engine reads them.

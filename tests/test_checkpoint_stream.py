@@ -28,26 +28,30 @@ def _file(tmp_path: Path, size: int, seed: int = 0) -> tuple[Path, bytes]:
     return path, data
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
 @pytest.mark.parametrize("size", [1, 4095, 4096, 65536, 65536 * 3 + 123])
-def test_digest_reads_the_whole_file_exactly(tmp_path: Path, size: int) -> None:
+def test_digest_reads_the_whole_file_exactly(tmp_path: Path, size: int, direct: bool) -> None:
     path, data = _file(tmp_path, size)
     windows = cs.Windows()
     try:
-        assert cs.digest_file_direct(path, size, windows) == xxhash.xxh3_128(data).hexdigest()
+        assert (cs.digest_file_windowed(path, size, windows, direct=direct)
+                == xxhash.xxh3_128(data).hexdigest())
         with pytest.raises(OSError, match="manifest says"):
-            cs.digest_file_direct(path, size + 1, windows)
+            cs.digest_file_windowed(path, size + 1, windows, direct=direct)
     finally:
         windows.close()
 
 
-def test_stream_serves_any_read_order_and_rechecks_a_front_to_back_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
+def test_stream_serves_any_read_order_and_rechecks_a_front_to_back_read(tmp_path: Path,
+                                                                         direct: bool) -> None:
     size = 65536 * 3 + 123
     path, data = _file(tmp_path, size)
     digest = xxhash.xxh3_128(data).hexdigest()
     windows = cs.Windows()
     rng = np.random.default_rng(1)
     try:
-        with cs.DirectStream(path, size, digest, windows) as f:
+        with cs.WindowStream(path, size, digest, windows, direct=direct) as f:
             for _ in range(50):  # random seeks: the bytes, wherever the window was
                 off, n = int(rng.integers(0, size)), int(rng.integers(1, 100_000))
                 f.seek(off)
@@ -56,7 +60,7 @@ def test_stream_serves_any_read_order_and_rechecks_a_front_to_back_read(tmp_path
             assert f.read(10) == data[:10]
             f.seek(-7, io.SEEK_END)
             assert f.read() == data[-7:]
-        with cs.DirectStream(path, size, digest, windows) as f:
+        with cs.WindowStream(path, size, digest, windows, direct=direct) as f:
             got = bytearray()
             while chunk := f.read(5000):
                 got += chunk
@@ -75,7 +79,7 @@ def test_a_file_changed_after_verification_fails_when_read(tmp_path: Path) -> No
     path.write_bytes(bytes(changed))
     windows = cs.Windows()
     try:
-        f = cs.DirectStream(path, size, digest, windows)
+        f = cs.WindowStream(path, size, digest, windows, direct=False)
         f.read()
         with pytest.raises(PipelineError, match=f"{path.name} changed after it was verified"):
             f.close()
@@ -91,7 +95,7 @@ def test_torch_load_through_the_stream_is_rechecked(tmp_path: Path) -> None:
     data = path.read_bytes()
     windows = cs.Windows()
     try:
-        with cs.DirectStream(path, len(data), xxhash.xxh3_128(data).hexdigest(), windows) as f:
+        with cs.WindowStream(path, len(data), xxhash.xxh3_128(data).hexdigest(), windows) as f:
             got = torch.load(f, weights_only=True)
         assert f.rechecked  # the zip's directory first, then front to back: still rechecked
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
