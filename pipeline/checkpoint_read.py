@@ -52,9 +52,15 @@ from pipeline.fastio import DIGEST
 #: Files up to this size are verified in memory and served from there; larger ones are hashed
 #: through reused buffers and read again by the engine.
 KEEP_BYTES = 1 << 20
-#: Whether the checksum pass reads through the page cache (where the engine's read then finds
-#: the bytes: one read from the disk) rather than with O_DIRECT (two).
-THROUGH_PAGE_CACHE = True
+#: Whether a resume reads the large files through the page cache (the checksum pass fills it,
+#: the engine's read finds the pages there: one read from the disk) or with O_DIRECT (two).
+#: Measured in one run on the development VM (python -m bench.checkpoint, A/B twice, the first
+#: load of a fresh process as a requeued job does): fsdp 2.03-2.25 s with O_DIRECT against
+#: 2.83-3.05 s through the page cache, deepspeed 4.75-5.25 s against 5.40-5.98 s (filling the
+#: page cache touches fresh guest memory there, see pipeline.checkpoint_stream); a second load
+#: in the same process favoured the page cache (1.55-1.73 s against 2.10-2.19 s). O_DIRECT, as
+#: measured; on a machine where the page cache fills at disk speed the other way reads less.
+THROUGH_PAGE_CACHE = False
 
 _DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
 _RNG = re.compile(r"^rng/rank-(\d+)\.pt$")

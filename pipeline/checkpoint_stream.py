@@ -2,14 +2,12 @@
 (:func:`digest_file_windowed`) and the engine's read of the same file (:class:`WindowStream`).
 
 A resume reads each large file twice: once to check it against the manifest (no engine reads
-anything before every rank's files matched), once for the engine. The first read goes through
-the page cache (``pipeline.checkpoint_read`` passes ``direct=False``), so the engine's read finds
-the pages there and the disk is read once; when memory is short the kernel evicts them and the
-second read goes to the disk again, slower but the same bytes. The engine reads through a
+anything before every rank's files matched), once for the engine, through a
 :class:`WindowStream` that hashes again what it reads when it reads the file front to back (DCP
 and ``torch.load`` do, apart from a zip directory read early): a file changed between the two
-reads is an error, not silently loaded. ``direct=True`` reads with O_DIRECT instead (both
-passes then read the disk).
+reads is an error, not silently loaded. Both read with O_DIRECT (``direct=True``) or through
+the page cache (``direct=False``: the second read then finds the first's pages, if memory kept
+them); ``pipeline.checkpoint_read.THROUGH_PAGE_CACHE`` chooses, with the measurements.
 
 Why reused buffers rather than the file held in fresh memory between the two passes (as the
 first version of this did): the first write to a fresh page costs a page fault, and where the
