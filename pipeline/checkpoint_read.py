@@ -45,7 +45,13 @@ from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint_stream import Windows, WindowStream, digest_file_windowed, open_read
+from pipeline.checkpoint_stream import (
+    SeekableReader,
+    Windows,
+    WindowStream,
+    digest_file_windowed,
+    open_read,
+)
 from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST
 
@@ -140,43 +146,19 @@ def read_file(path: Path, size: int) -> memoryview:
     return view
 
 
-class _MemoryFile(io.RawIOBase):
+class _MemoryFile(SeekableReader):
     """A read-only, seekable file over verified bytes (no copy until a read)."""
 
     def __init__(self, view: memoryview) -> None:
-        super().__init__()
+        super().__init__(len(view))
         self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
+        n = max(0, min(len(out), self.size - self._pos))
         out[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        data = bytes(self._view[self._pos:end]) if end > self._pos else b""
-        self._pos = max(self._pos, end)
-        return data
-
-    def readall(self) -> bytes:
-        return self.read(-1)
 
 
 @dataclass

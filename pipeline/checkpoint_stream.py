@@ -142,7 +142,40 @@ def digest_file_windowed(path: Path, size: int, windows: Windows, *, direct: boo
     return h.hexdigest()
 
 
-class WindowStream(io.RawIOBase):
+class SeekableReader(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes whose subclass supplies ``readinto`` from
+    position ``_pos``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        n = self.size - self._pos if size is None or size < 0 else size
+        buf = bytearray(max(0, min(n, self.size - self._pos)))
+        got = self.readinto(buf)
+        return bytes(buf[:got])
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
+class WindowStream(SeekableReader):
     """A seekable, read-only file over ``path`` for an engine's reader, served from two reused
     windows refilled with O_DIRECT reads (:meth:`Windows.fill`): two, because ``torch.load``
     reads a zip's directory at its end before its records, and a record that straddles a window
@@ -160,14 +193,12 @@ class WindowStream(io.RawIOBase):
 
     def __init__(self, path: Path, size: int, digest: str | None, windows: Windows,
                  *, direct: bool = True) -> None:
-        super().__init__()
+        super().__init__(size)
         self.path = Path(path)
-        self.size = size
         self._digest = digest
         self._windows = windows
         self._fd, _ = open_read(self.path, direct)
         self._slots: list[list[Any]] = []  # [start, end, buffer, view], most recent first
-        self._pos = 0
         self._hashed = 0
         self._hash = xxhash.xxh3_128()
         self.refills = 0
@@ -175,20 +206,6 @@ class WindowStream(io.RawIOBase):
         self._last_end = -1
         self.rechecked = False
         """Whether :meth:`close` compared the bytes read with ``digest``."""
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def _slot(self, pos: int, want: int = 1) -> list[Any]:
         """The window holding ``pos`` (refilled into the least recently used one if none, with
@@ -238,15 +255,6 @@ class WindowStream(io.RawIOBase):
             self._pos += k
             done += k
         return done
-
-    def read(self, size: int = -1) -> bytes:
-        n = self.size - self._pos if size is None or size < 0 else size
-        buf = bytearray(max(0, min(n, self.size - self._pos)))
-        got = self.readinto(buf)
-        return bytes(buf[:got])
-
-    def readall(self) -> bytes:
-        return self.read(-1)
 
     def close(self) -> None:
         if self.closed:
