@@ -172,10 +172,6 @@ class VerifiedFiles:
     """(bytes, xxh3-128 or None) of every file of the checkpoint: a large file is read through a
     re-hashing :class:`~pipeline.checkpoint_stream.WindowStream`."""
     windows: Windows = field(default_factory=Windows)
-    served: int = 0
-    """Bytes the engine read from memory."""
-    streamed: int = 0
-    """Bytes the engine read through re-hashing streams."""
 
     def _rel(self, path: str | os.PathLike) -> str | None:
         try:
@@ -193,14 +189,12 @@ class VerifiedFiles:
         the checkpoint), else from disk."""
         view = self.get(path)
         if view is not None:
-            self.served += len(view)
             with _MemoryFile(view) as f:
                 yield f
             return
         rel = self._rel(path)
         if rel in self.digests:
             size, digest = self.digests[rel]
-            self.streamed += size
             with WindowStream(Path(path), size, digest, self.windows,
                               direct=not THROUGH_PAGE_CACHE) as f:
                 yield f

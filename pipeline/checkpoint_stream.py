@@ -201,7 +201,6 @@ class WindowStream(SeekableReader):
         self._slots: list[list[Any]] = []  # [start, end, buffer, view], most recent first
         self._hashed = 0
         self._hash = xxhash.xxh3_128()
-        self.refills = 0
         self._ahead = min(self.MIN_AHEAD, WINDOW_BYTES)
         self._last_end = -1
         self.rechecked = False
@@ -232,7 +231,6 @@ class WindowStream(SeekableReader):
         length = -(-length // ALIGN) * ALIGN
         n = self._windows.fill(self._fd, slot[3][:length], start)
         self._last_end = start + n
-        self.refills += 1
         slot[0], slot[1] = start, start + min(n, max(0, self.size - start))
         progress = True
         while progress:  # extend the hashed run with every window that continues it
