@@ -43,7 +43,13 @@ from pipeline.artifacts import (
     step_name,
 )
 from pipeline.errors import PipelineError
-from pipeline.fastio import DIGEST, digest_file
+from pipeline.fastio import (
+    BLOCK_DIGEST,
+    DIGEST,
+    digest_file,
+    digest_file_blocks,
+    manifest_entry,
+)
 from pipeline.io import read_json, sha256_file, sha256_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -98,7 +104,25 @@ def _manifest_entries(path: Path, meta: Any) -> dict[str, dict[str, Any]] | str:
             return f"manifest.json: the entry of {rel} has no valid 'bytes'"
         if not isinstance(info.get(DIGEST, info.get("sha256")), str):
             return f"manifest.json: the entry of {rel} has no checksum ({DIGEST!r} or 'sha256')"
+        if "blocks" in info and not block_digests(info):
+            return (f"manifest.json: the entry of {rel} has malformed 'blocks' (a block size "
+                    f"and one {BLOCK_DIGEST} per block of the file)")
     return files
+
+
+def block_digests(info: dict[str, Any]) -> tuple[int, list[str]] | None:
+    """(block size, block checksums) of a manifest entry that lists them and whose list
+    covers the file exactly, else None (no block checksums: the whole file is verified)."""
+    blocks = info.get("blocks")
+    if not isinstance(blocks, dict):
+        return None
+    size, digests = blocks.get("bytes"), blocks.get(BLOCK_DIGEST)
+    if (not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 4096
+            or not isinstance(digests, list)
+            or len(digests) != -(-info["bytes"] // size)
+            or not all(isinstance(d, str) and len(d) == 16 for d in digests)):
+        return None
+    return size, digests
 
 
 def _present_files(path: Path) -> set[str] | str:
@@ -209,12 +233,12 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
         rel = f.relative_to(tmp).as_posix()
         info = known.get(rel)
         if info is not None and info.get("bytes") == f.stat().st_size:
-            files[rel] = {DIGEST: info[DIGEST], "bytes": info["bytes"]}
+            files[rel] = {k: info[k] for k in (DIGEST, "bytes", "blocks") if k in info}
         else:
             todo.append(f)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for f, d in zip(todo, pool.map(digest_file, todo), strict=True):
-            files[f.relative_to(tmp).as_posix()] = {DIGEST: d, "bytes": f.stat().st_size}
+        for f, (d, blocks) in zip(todo, pool.map(digest_file_blocks, todo), strict=True):
+            files[f.relative_to(tmp).as_posix()] = manifest_entry(d, f.stat().st_size, blocks)
     files = dict(sorted(files.items()))
     write_json_atomic(tmp / MANIFEST, {**meta, "step": step, "files": files, "time": time.time()})
     final = step_dir(root, step)

@@ -55,6 +55,11 @@ class CheckpointManager:
         self.zero_stage = zero_stage if backend == "deepspeed" else None
         self.rank = rank
         self.world_size = world_size
+        self._verified: Any = None  # what resume's verification kept for load
+        self._skipped: set[Path] = set()  # checkpoints found damaged by this resume
+        self.loaded: Path | None = None
+        """The checkpoint the last :meth:`load` restored (an older one than asked, if that one
+        turned out damaged)."""
 
     @classmethod
     def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
@@ -68,18 +73,24 @@ class CheckpointManager:
     def resume(self) -> Path | None:
         """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
         folders, chooses with :func:`resume_point` (structure, config and data only) and
-        broadcasts its choice; every rank then verifies the files it will read and the ranks
-        agree (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads
-        anything. A checkpoint that fails is skipped for the next older one, with a warning.
-        The verified bytes wait for :meth:`load`."""
+        broadcasts its choice; every rank then verifies its share and the ranks agree
+        (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads anything
+        (the large files a rank reads itself and that have block checksums are verified block
+        by block as they are read, :meth:`load`). A checkpoint that fails is skipped for the
+        next older one, with a warning. The verified bytes wait for :meth:`load`."""
+        if self.rank == 0:
+            clean_tmp(self.root)
+        self._skipped = set()
+        return self._choose()
+
+    def _choose(self) -> Path | None:
+        """Collective: :meth:`resume`'s choice among the checkpoints not in ``_skipped``."""
         import torch.distributed as dist
 
         from pipeline.checkpoint_read import verify_collective
 
         self._verified = None
-        skip: set[Path] = set()
-        if self.rank == 0:
-            clean_tmp(self.root)
+        skip = self._skipped
         while True:
             found = None
             if self.rank == 0:
@@ -100,11 +111,39 @@ class CheckpointManager:
 
     def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
         """Restore the engine, the loader and (same world size only) this rank's RNG from
-        ``path``, a folder that :meth:`resume` chose (so the ranks verified all of it before
-        any rank reads it); returns the trainer's state saved with it. The engine reads the
-        bytes this rank verified from memory (``extra["verified"]``), the rest from disk. The
-        engines unpickle nothing but through allow-lists."""
-        verified = getattr(self, "_verified", None)
+        ``path``, a folder that :meth:`resume` chose; returns the trainer's state saved with
+        it (``loaded`` is the folder it came from). The engine reads only verified bytes: the
+        small files this rank verified from memory (``extra["verified"]``), the large ones
+        block by block as it reads them (:mod:`pipeline.checkpoint_read`). The engines
+        unpickle nothing but through allow-lists.
+
+        A block found damaged while the engine reads (DCP fails on every rank together) means
+        the engine holds part of that checkpoint: the next older one that verifies is loaded
+        over it, with a warning (every tensor the engine loads is in each checkpoint of the
+        run). With none left, a :class:`~pipeline.errors.PipelineError` says what to do: a
+        fresh start would need a fresh engine."""
+        from pipeline.checkpoint_stream import CheckpointDamaged
+
+        while True:
+            try:
+                state = self._load(path, engine, loader)
+                self.loaded = path
+                return state
+            except CheckpointDamaged as err:
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s: %s", path, err)
+                self._skipped.add(path)
+                older = self._choose()
+                if older is None:
+                    raise PipelineError(
+                        f"{err}. No older checkpoint of this run verifies, and the engine had "
+                        f"already loaded part of this one: move {path} out of {self.root} (it "
+                        "stays for inspection) and start the stage again to train from step 0"
+                    ) from None
+                path = older
+
+    def _load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
+        verified = self._verified
         self._verified = None
         if verified is not None and verified.root != path:
             verified = None

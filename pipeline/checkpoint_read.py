@@ -46,6 +46,7 @@ from typing import Any
 import xxhash
 
 from pipeline.checkpoint_stream import (
+    WINDOW_BYTES,
     SeekableReader,
     Windows,
     WindowStream,
@@ -171,6 +172,13 @@ class VerifiedFiles:
     digests: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     """(bytes, xxh3-128 or None) of every file of the checkpoint: a large file is read through a
     re-hashing :class:`~pipeline.checkpoint_stream.WindowStream`."""
+    blocks: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
+    """The block checksums of the files that list them: such a file is read through a
+    :class:`~pipeline.checkpoint_stream.WindowStream` that checks each block before serving it
+    (those this rank reads were not hashed beforehand, :func:`verify_local`)."""
+    loaded: dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed optimizer partitions already deserialized while they were verified (one read of
+    the disk; :func:`verify_local`), for the engine's load to take."""
     windows: Windows = field(default_factory=Windows)
 
     def _rel(self, path: str | os.PathLike) -> str | None:
@@ -196,7 +204,7 @@ class VerifiedFiles:
         if rel in self.digests:
             size, digest = self.digests[rel]
             with WindowStream(Path(path), size, digest, self.windows,
-                              direct=not THROUGH_PAGE_CACHE) as f:
+                              direct=not THROUGH_PAGE_CACHE, blocks=self.blocks.get(rel)) as f:
                 yield f
             return
         with open(path, "rb") as f:
@@ -232,6 +240,9 @@ class VerifiedFiles:
         training."""
 
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
+            rel = self._rel(path)
+            if rel in self.loaded and str(map_location or "cpu") == "cpu":
+                return self.loaded.pop(rel)
             view = self.get(path)
             with _MemoryFile(view) if view is not None else open(path, "rb") as g:
                 classes = ds_classes(g, Path(path))
@@ -243,8 +254,10 @@ class VerifiedFiles:
         return load
 
     def release(self) -> None:
-        """Drop the kept bytes and the read buffers (after the engine loaded them)."""
+        """Drop the kept bytes, what the engine did not take and the read buffers (after the
+        engine loaded them)."""
         self.data.clear()
+        self.loaded.clear()
         self.windows.close()
 
 
@@ -336,16 +349,65 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
     return None, False
 
 
-def verify_local(path: Path, files: dict[str, dict[str, Any]],
-                 mine: list[str]) -> tuple[VerifiedFiles, str | None, bool]:
-    """Read and check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept).
+def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, bool]:
+    """Deserialize this rank's DeepSpeed optimizer partition ``rel`` through a block-checking
+    stream (its only read of the disk) and keep it in ``out.loaded``: (failure or None,
+    refused), as :func:`_check`: with every byte read verified, a file that still does not
+    load or names globals beyond the allow-list was written so (refused)."""
+    why = None
+    try:
+        with out.open(path / rel) as f:
+            try:
+                classes = ds_classes(f, path / rel)
+                f.seek(0)
+                out.loaded[rel] = load_ds_stream(f, path / rel, classes, "cpu")
+            except PipelineError as err:  # torch.load wraps what the stream raised
+                why = str(err)
+            damage = getattr(f, "damage", None)
+    except OSError as err:
+        return f"{rel} could not be read ({err.strerror or err})", False
+    if damage is not None:
+        out.loaded.pop(rel, None)
+        return f"{rel}: {str(damage).split(': ', 1)[-1]}", False
+    return why, why is not None
+
+
+def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> bool:
+    """Whether this rank leaves ``rel`` to be verified block by block as it is read, instead of
+    hashing it before: a large file with block checksums that this rank alone reads, through a
+    stream (not DeepSpeed's memory-mapped model states)."""
+    return (readers == [rank] and info["bytes"] > KEEP_BYTES and not _DS_MODEL.search(rel)
+            and usable_blocks(info) is not None)
+
+
+def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
+    """The entry's block checksums if the reader's windows can check them (a block size that
+    divides a window), else None."""
+    from pipeline.checkpoint import block_digests
+
+    found = block_digests(info)
+    return found if found is not None and WINDOW_BYTES % found[0] == 0 else None
+
+
+def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
+                 once: frozenset[str] = frozenset()) -> tuple[VerifiedFiles, str | None, bool]:
+    """Check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept). Those in
+    ``once`` (:func:`read_once`) are not read now: the engine's read checks each block, except
+    DeepSpeed's optimizer partitions, deserialized now through that check (the engine's load of
+    them can fail on one rank only, while the others wait in its collectives).
     Returns what the engine reads through, the first failure or None, and whether that failure
     is a refusal (a DeepSpeed file that names globals beyond the allow-list: its checksum
     matched, so the checkpoint is tampered with rather than torn) rather than damage."""
     out = VerifiedFiles(path, digests={rel: (info["bytes"], info.get(DIGEST))
                                        for rel, info in files.items()})
+    out.blocks = {rel: b for rel, info in files.items() if (b := usable_blocks(info))}
     for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
-        why, refused = _check(path, rel, files[rel], out.windows, out)
+        if rel in once and _DS_ZERO.search(rel) and rel.startswith("ds/"):
+            why, refused = _preload_ds(path, rel, out)
+        elif rel in once:
+            continue
+        else:
+            why, refused = _check(path, rel, files[rel], out.windows, out)
         if why is not None:
             return out, why, refused
     return out, None, False
@@ -376,7 +438,10 @@ def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles,
         why = files
     else:
         mine = assign(files, world, meta.get("world_size"))
-        cache, why, refused = verify_local(path, files, mine[rank])
+        who = claims(files, world, meta.get("world_size"))
+        once = frozenset(rel for rel in mine[rank]
+                         if read_once(rel, files[rel], who.get(rel, []), rank))
+        cache, why, refused = verify_local(path, files, mine[rank], once)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

@@ -175,6 +175,12 @@ class SeekableReader(io.RawIOBase):
         return self.read(-1)
 
 
+class CheckpointDamaged(PipelineError):
+    """A block of a checkpoint file did not match the manifest's block checksum when read for
+    the engine (nothing of it reached the engine). The manager then loads the next older
+    checkpoint over whatever the engine had loaded before the damage showed."""
+
+
 class WindowStream(SeekableReader):
     """A seekable, read-only file over ``path`` for an engine's reader, served from two reused
     windows refilled with O_DIRECT reads (:meth:`Windows.fill`): two, because ``torch.load``
@@ -183,7 +189,13 @@ class WindowStream(SeekableReader):
     continue the front-to-back run hashed so far; if that run covers the file by :meth:`close`
     (reading what is left, up to one window), its xxh3-128 must equal ``digest`` (the
     manifest's, which the file matched moments before): otherwise
-    :class:`~pipeline.errors.PipelineError`."""
+    :class:`~pipeline.errors.PipelineError`.
+
+    With ``blocks`` (the manifest's block size and block checksums,
+    :func:`pipeline.checkpoint.block_digests`) the file was *not* read before: every refill
+    covers whole blocks and each is checked before any byte of it is served, so the engine only
+    ever sees verified bytes, read once from the disk; a block that does not match raises
+    :class:`CheckpointDamaged`."""
 
     SLOTS = 2
     #: The first read-ahead after a jump; it grows fourfold with each refill that continues
@@ -192,19 +204,26 @@ class WindowStream(SeekableReader):
     MIN_AHEAD = 1 << 20
 
     def __init__(self, path: Path, size: int, digest: str | None, windows: Windows,
-                 *, direct: bool = True) -> None:
+                 *, direct: bool = True, blocks: tuple[int, list[str]] | None = None) -> None:
         super().__init__(size)
+        assert blocks is None or (WINDOW_BYTES % blocks[0] == 0 and blocks[0] % ALIGN == 0)
         self.path = Path(path)
-        self._digest = digest
+        self._blocks = blocks
+        self._digest = None if blocks is not None else digest
+        self._align = ALIGN if blocks is None else blocks[0]
         self._windows = windows
         self._fd, _ = open_read(self.path, direct)
         self._slots: list[list[Any]] = []  # [start, end, buffer, view], most recent first
         self._hashed = 0
         self._hash = xxhash.xxh3_128()
-        self._ahead = min(self.MIN_AHEAD, WINDOW_BYTES)
-        self._last_end = -1
+        # Sequential runs being read, most recent first: [end of its last refill, read-ahead].
+        # Two, so that a read far ahead (a large item's zip directory, at its end, read before
+        # the item) starts a run of its own instead of resetting the read-ahead of the main one.
+        self._runs: list[list[int]] = []
         self.rechecked = False
         """Whether :meth:`close` compared the bytes read with ``digest``."""
+        self.damage: CheckpointDamaged | None = None
+        """The block that did not match its checksum, if one did (``blocks``)."""
 
     def _slot(self, pos: int, want: int = 1) -> list[Any]:
         """The window holding ``pos`` (refilled into the least recently used one if none, with
@@ -223,16 +242,29 @@ class WindowStream(SeekableReader):
         # A read a little past the last refill (torch.load reads a record's zip directory, at
         # its end, before the record) continues the run from there instead of leaving a gap
         # that the record's own reads would refill again.
-        last = self._last_end
-        ahead = last >= 0 and last % ALIGN == 0 and last <= pos < last + self._ahead
-        start = last if ahead else pos - pos % ALIGN
-        self._ahead = min(4 * self._ahead if start == last else self.MIN_AHEAD, WINDOW_BYTES)
-        length = min(WINDOW_BYTES, max(self._ahead, pos - start + want))
-        length = -(-length // ALIGN) * ALIGN
+        align = self._align
+        run = next((r for r in self._runs if r[0] % align == 0 and r[0] <= pos < r[0] + r[1]),
+                   None)
+        if run is not None:  # continues a run: from its end, four times the read-ahead
+            self._runs.remove(run)
+            start, run[1] = run[0], min(4 * run[1], WINDOW_BYTES)
+        else:
+            start, run = pos - pos % align, [0, min(max(self.MIN_AHEAD, align), WINDOW_BYTES)]
+        self._runs = [run, *self._runs][:self.SLOTS]
+        length = min(WINDOW_BYTES, max(run[1], pos - start + want))
+        length = -(-length // align) * align
+        slot[0] = slot[1] = 0  # refilled: holds nothing until verified
         n = self._windows.fill(self._fd, slot[3][:length], start)
-        self._last_end = start + n
-        slot[0], slot[1] = start, start + min(n, max(0, self.size - start))
-        progress = True
+        run[0] = start + n
+        end = start + min(n, max(0, self.size - start))
+        if self._blocks is not None:
+            try:
+                self._check_blocks(slot[3], start, end, length)
+            except CheckpointDamaged as err:  # kept: a reader may wrap what it raised
+                self.damage = err
+                raise
+        slot[0], slot[1] = start, end
+        progress = self._digest is not None
         while progress:  # extend the hashed run with every window that continues it
             progress = False
             for s0, s1, _, view in self._slots:
@@ -240,6 +272,22 @@ class WindowStream(SeekableReader):
                     self._hash.update(view[self._hashed - s0:s1 - s0])
                     self._hashed, progress = s1, True
         return slot
+
+    def _check_blocks(self, view: memoryview, start: int, end: int, length: int) -> None:
+        """Every block of ``[start, end)`` (just read into ``view``) against the manifest;
+        :class:`CheckpointDamaged` at the first that differs or that the file cut short."""
+        assert self._blocks is not None
+        size, digests = self._blocks
+        if end < min(start + length, self.size):
+            raise CheckpointDamaged(
+                f"{self.path} is shorter than the manifest says (read up to byte {end} of "
+                f"{self.size})")
+        for off in range(start, end, size):
+            got = xxhash.xxh3_64_hexdigest(view[off - start:min(off + size, end) - start])
+            if got != digests[off // size]:
+                raise CheckpointDamaged(
+                    f"{self.path}: bytes {off}-{min(off + size, end)} do not match the "
+                    "manifest's block checksum (damaged since it was saved)")
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")

@@ -170,7 +170,18 @@ def safe_reader(dcp_dir: Path, fs: Any = None) -> Any:
             where = self.storage_data
             items = sorted(plan.items, key=lambda it: (where[it.storage_index].relative_path,
                                                        where[it.storage_index].offset))
-            return super().read_data(replace(plan, items=items), planner)
+            if any(getattr(where[it.storage_index], "transform_descriptors", None)
+                   for it in items):
+                return super().read_data(replace(plan, items=items), planner)
+            # Tensors straight into their destination (pipeline.checkpoint_dcp).
+            from torch.futures import Future
+
+            from pipeline.checkpoint_dcp import read_items
+
+            read_items(self, items, planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
 
     reader = _SafeFileSystemReader(str(dcp_dir))
     if fs is not None:

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 import torch
 
 from pipeline import checkpoint as ck
 from pipeline import fastio
 
 
-@pytest.mark.parametrize("sizes", [[0], [1], [4095], [4096, 1], [3, fastio.BUFFER_BYTES + 5, 7]])
+@pytest.mark.parametrize("sizes", [[0], [1], [4095], [4096, 1], [3, fastio.BUFFER_BYTES + 5, 7],
+                                   [fastio.BLOCK_BYTES], [fastio.BLOCK_BYTES - 1, 2]])
 def test_writer_round_trip_is_byte_exact_with_the_right_checksum(tmp_path: Path,
                                                                   sizes: list[int]) -> None:
     rng = np.random.default_rng(sum(sizes))
@@ -30,7 +32,13 @@ def test_writer_round_trip_is_byte_exact_with_the_right_checksum(tmp_path: Path,
         assert w.tell() == sum(sizes)
     data = b"".join(chunks)
     assert path.read_bytes() == data  # the padding of the last O_DIRECT block is cut off
-    assert seen == [(path, fastio.digest_file(path), len(data))]
+    # The block checksums, computed here independently: one xxh3-64 per BLOCK_BYTES.
+    blocks = [xxhash.xxh3_64_hexdigest(data[i:i + fastio.BLOCK_BYTES])
+              for i in range(0, len(data), fastio.BLOCK_BYTES)]
+    assert seen == [(path, fastio.digest_file(path), len(data), blocks)]
+    assert fastio.digest_file_blocks(path) == (fastio.digest_file(path), blocks)
+    entry = fastio.manifest_entry(*seen[0][1:])
+    assert ("blocks" in entry) == (len(data) > fastio.BLOCK_BYTES)
 
 
 def test_writer_falls_back_when_the_filesystem_refuses_o_direct(
