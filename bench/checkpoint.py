@@ -139,8 +139,6 @@ def run_bench_worker(work: Path, args: argparse.Namespace, backend: str, module:
     )
     if res.returncode != 0:
         raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
-    if os.environ.get("ZS_PROF"):
-        print("\n".join(ln for ln in res.stdout.splitlines() if "PROF" in ln))
     out = json.loads((run / "bench.json").read_text())
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     return out
@@ -154,8 +152,6 @@ def worker(run_dir: Path) -> None:
     from pipeline import checkpoint as ck
     from pipeline.checkpoint_manager import CheckpointManager
 
-    if os.environ.get("ZS_PROF"):
-        sys.path.insert(0, "/tmp"); import prof  # noqa
     run_cfg, env_, engine = start_engine(run_dir)
     if run_cfg.train.backend == "deepspeed":
         params = lambda: engine.engine.module.parameters()  # noqa: E731

@@ -101,6 +101,8 @@ def saved_tensor(f: _Slice) -> tuple[torch.Tensor, int] | None:
     when the item is one contiguous tensor stored whole; else None."""
     try:
         names = zipfile.ZipFile(f).infolist()
+    except PipelineError:  # the stream found the bytes damaged: not a format question
+        raise
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return None
     pkl = [i for i in names if i.filename.endswith("/data.pkl")]
@@ -172,7 +174,13 @@ def read_items(reader: Any, items: list[Any], planner: Any) -> None:
                 target = planner.resolve_tensor(req).detach()
                 if not read_item_into(f, req, target):
                     f.seek(0)
-                    tensor = torch.load(f, map_location="cpu", weights_only=True)
+                    try:
+                        tensor = torch.load(f, map_location="cpu", weights_only=True)
+                    except Exception:
+                        # torch's reader reports what the stream raised as its own error.
+                        if getattr(stream, "damage", None) is not None:
+                            raise stream.damage from None
+                        raise
                     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     if target.size() != tensor.size():
                         raise PipelineError(

@@ -1,31 +1,32 @@
-"""Resume-time reading of a checkpoint: every rank verifies the files it will read, and the
-engine then reads them (re-hashed on the way, :mod:`pipeline.checkpoint_stream`).
-
-Before (issue 14), rank 0 hashed every file (``checkpoint.verify``) before the engines read
-them. Now:
+"""Resume-time reading of a checkpoint: every byte an engine reads is verified first, and the
+disk is read once (issue 14).
 
 1. rank 0 checks the folder's structure (:func:`pipeline.checkpoint.verify` with
    ``contents=False``: manifest, sizes, no links, nothing unlisted) and the config/data hashes,
    and broadcasts its choice;
-2. every rank hashes its share (:func:`assign`): the files it will load (:func:`claims`: its
+2. every rank verifies its share (:func:`assign`): the files it will load (:func:`claims`: its
    own DCP shard files, its own DeepSpeed partition), a large file several ranks load by one of
-   them, and the files nobody claims shared out by size, so that together the ranks verify the
+   them, and the files nobody claims shared out by size, so that together the ranks cover the
    whole checkpoint. Small files (at most :data:`KEEP_BYTES`: DCP's pickled index, the trainer
-   state) are read whole into memory and kept; large ones are hashed with ``O_DIRECT`` through a
-   few reused buffers (:func:`~pipeline.checkpoint_stream.digest_file_windowed`; why not held in
-   memory: the module's docstring there);
+   state) are read whole, checked and kept in memory. A large file with block checksums (the
+   manifest's ``blocks``) that this rank alone loads is not read now (:func:`read_once`): the
+   engine's read checks each block before it is served, except DeepSpeed's optimizer
+   partition, deserialized now through that check (:func:`_preload_ds`). Other large files are
+   hashed whole with ``O_DIRECT`` through a few reused buffers
+   (:func:`~pipeline.checkpoint_stream.digest_file_windowed`);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
-   to the next older checkpoint, as a corrupt file always did; a DeepSpeed file whose checksum
-   matches but whose pickle names globals beyond the allow-list stops every rank with the same
-   error, as the engine's load did);
+   to the next older checkpoint; a DeepSpeed file whose bytes verify but whose pickle names
+   globals beyond the allow-list stops every rank with the same error, as the engine's load
+   did);
 4. the engine reads through :class:`VerifiedFiles` (:meth:`~VerifiedFiles.dcp_filesystem` for
    DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
-   files from the verified memory; DCP's large ones through a
-   :class:`~pipeline.checkpoint_stream.WindowStream` that hashes them again as they are read and
-   fails if they changed since step 2, and so DeepSpeed's optimizer partitions; DeepSpeed's
-   model-states file memory-mapped by ``torch.load`` (``weights_only`` with the allow-listed
-   globals; not hashed again, see :meth:`VerifiedFiles.ds_loader`).
+   files from memory, DeepSpeed's partition as already loaded, large files through a
+   :class:`~pipeline.checkpoint_stream.WindowStream` (block-checked; without block checksums,
+   hashed again and compared at the end), DeepSpeed's model-states file memory-mapped by
+   ``torch.load`` (``weights_only`` with the allow-listed globals, verified in step 2). A damaged
+   block found in step 4 fails DCP's load on every rank; the manager loads the next older
+   checkpoint over it (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
 
 Which rank reads which file is decided from the file names alone (the manager does not know the
 engine's layout): a wrong guess costs a read more, never correctness.
@@ -56,8 +57,8 @@ from pipeline.checkpoint_stream import (
 from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST
 
-#: Files up to this size are verified in memory and served from there; larger ones are hashed
-#: through reused buffers and read again by the engine.
+#: Files up to this size are verified in memory and served from there; larger ones are read by
+#: the engine through reused buffers (block-checked, or hashed whole beforehand).
 KEEP_BYTES = 1 << 20
 #: Whether a resume reads the large files through the page cache (the checksum pass fills it,
 #: the engine's read finds the pages there: one read from the disk) or with O_DIRECT (two).

@@ -1,13 +1,15 @@
 """Checkpoint reading through a few reused buffers: the checksum pass of a resume
-(:func:`digest_file_windowed`) and the engine's read of the same file (:class:`WindowStream`).
+(:func:`digest_file_windowed`) and the engine's read (:class:`WindowStream`).
 
-A resume reads each large file twice: once to check it against the manifest (no engine reads
-anything before every rank's files matched), once for the engine, through a
-:class:`WindowStream` that hashes again what it reads when it reads the file front to back (DCP
-and ``torch.load`` do, apart from a zip directory read early): a file changed between the two
-reads is an error, not silently loaded. Both read with O_DIRECT (``direct=True``) or through
-the page cache (``direct=False``: the second read then finds the first's pages, if memory kept
-them); ``pipeline.checkpoint_read.THROUGH_PAGE_CACHE`` chooses, with the measurements.
+A large file whose manifest entry lists block checksums is read once: :class:`WindowStream`
+checks each block of a window as it is filled, before any byte of it is served, and raises
+:class:`CheckpointDamaged` at one that differs. Without block checksums (checkpoints written
+before them) the file is hashed whole first (no engine reads anything before every rank's files
+matched), then read again through a :class:`WindowStream` that hashes what it serves when it
+reads the file front to back: a file changed between the two reads is an error, not silently
+loaded. Both read with O_DIRECT (``direct=True``) or through the page cache (``direct=False``);
+``pipeline.checkpoint_read.THROUGH_PAGE_CACHE`` chooses, with the measurements. A stream read
+front to back has its next window read in the background while the engine uses the current one.
 
 Why reused buffers rather than the file held in fresh memory between the two passes (as the
 first version of this did): the first write to a fresh page costs a page fault, and where the
@@ -27,7 +29,7 @@ import io
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,7 @@ class Windows:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     def take(self) -> mmap.mmap:
         with self._lock:
@@ -104,8 +107,19 @@ class Windows:
                 break
         return total
 
+    def fill_later(self, fd: int, view: memoryview, offset: int) -> Future[int]:
+        """:meth:`fill` in a background thread (one at a time: a stream's next window)."""
+        with self._lock:
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-ahead")
+            pool = self._ahead_pool
+        return pool.submit(self.fill, fd, view, offset)
+
     def close(self) -> None:
         with self._lock:
+            if self._ahead_pool is not None:
+                self._ahead_pool.shutdown()
+                self._ahead_pool = None
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
@@ -220,6 +234,7 @@ class WindowStream(SeekableReader):
         # Two, so that a read far ahead (a large item's zip directory, at its end, read before
         # the item) starts a run of its own instead of resetting the read-ahead of the main one.
         self._runs: list[list[int]] = []
+        self._ahead: tuple[int, Any, memoryview, Future[int]] | None = None
         self.rechecked = False
         """Whether :meth:`close` compared the bytes read with ``digest``."""
         self.damage: CheckpointDamaged | None = None
@@ -254,15 +269,19 @@ class WindowStream(SeekableReader):
         length = min(WINDOW_BYTES, max(run[1], pos - start + want))
         length = -(-length // align) * align
         slot[0] = slot[1] = 0  # refilled: holds nothing until verified
-        n = self._windows.fill(self._fd, slot[3][:length], start)
+        n = self._take_ahead(slot, start, length)
+        if n is None:
+            n = self._windows.fill(self._fd, slot[3][:length], start)
         run[0] = start + n
+        if run[1] == WINDOW_BYTES and n == length and run[0] < self.size:
+            self._read_ahead(run[0])  # streaming: the next window while this one is used
         end = start + min(n, max(0, self.size - start))
         if self._blocks is not None:
-            try:
-                self._check_blocks(slot[3], start, end, length)
-            except CheckpointDamaged as err:  # kept: a reader may wrap what it raised
-                self.damage = err
-                raise
+            good, damage = self._check_blocks(slot[3], start, end, length)
+            if damage is not None and pos >= good:
+                self.damage = damage  # kept: a reader may wrap what it raises
+                raise damage
+            end = good  # the read-ahead past a damaged block serves up to it
         slot[0], slot[1] = start, end
         progress = self._digest is not None
         while progress:  # extend the hashed run with every window that continues it
@@ -273,21 +292,57 @@ class WindowStream(SeekableReader):
                     self._hashed, progress = s1, True
         return slot
 
-    def _check_blocks(self, view: memoryview, start: int, end: int, length: int) -> None:
-        """Every block of ``[start, end)`` (just read into ``view``) against the manifest;
-        :class:`CheckpointDamaged` at the first that differs or that the file cut short."""
+    def _read_ahead(self, start: int) -> None:
+        """Start reading the window at ``start`` in the background (:meth:`_take_ahead`)."""
+        if self._ahead is not None:
+            return  # one read ahead at a time: the one pending may be another run's
+        buf = self._windows.take()
+        view = memoryview(buf)
+        self._ahead = (start, buf, view, self._windows.fill_later(self._fd, view, start))
+
+    def _drop_ahead(self) -> None:
+        assert self._ahead is not None
+        _, buf, view, done = self._ahead
+        self._ahead = None
+        done.exception()  # the descriptor and the buffer are in use until the read ends
+        view.release()
+        self._windows.give(buf)
+
+    def _take_ahead(self, slot: list[Any], start: int, length: int) -> int | None:
+        """The bytes read ahead into a window, swapped into ``slot``, if that read began at
+        ``start`` and covers ``length``; else None (a read ahead elsewhere stays pending: the
+        run it continues may come back to it)."""
+        if self._ahead is None or self._ahead[0] != start:
+            return None
+        n = self._ahead[3].result()
+        if n < length and start + n < self.size:
+            self._drop_ahead()
+            return None
+        _, buf, view, _ = self._ahead
+        self._ahead = None
+        slot[3].release()
+        self._windows.give(slot[2])
+        slot[2], slot[3] = buf, view
+        return n
+
+    def _check_blocks(self, view: memoryview, start: int, end: int,
+                      length: int) -> tuple[int, CheckpointDamaged | None]:
+        """Check the blocks of ``[start, end)`` (just read into ``view``) against the manifest:
+        the end of the verified ones, and the damage found at the first that differs or that
+        the file cut short (None if none)."""
         assert self._blocks is not None
         size, digests = self._blocks
-        if end < min(start + length, self.size):
-            raise CheckpointDamaged(
-                f"{self.path} is shorter than the manifest says (read up to byte {end} of "
-                f"{self.size})")
         for off in range(start, end, size):
             got = xxhash.xxh3_64_hexdigest(view[off - start:min(off + size, end) - start])
             if got != digests[off // size]:
-                raise CheckpointDamaged(
+                return off, CheckpointDamaged(
                     f"{self.path}: bytes {off}-{min(off + size, end)} do not match the "
                     "manifest's block checksum (damaged since it was saved)")
+        if end < min(start + length, self.size):
+            return end - end % size, CheckpointDamaged(
+                f"{self.path} is shorter than the manifest says (read up to byte {end} of "
+                f"{self.size})")
+        return end, None
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
@@ -320,6 +375,8 @@ class WindowStream(SeekableReader):
                             "match the checkpoint's manifest): do not modify a checkpoint "
                             "while a run resumes from it")
         finally:
+            if self._ahead is not None:
+                self._drop_ahead()
             for slot in self._slots:
                 slot[3].release()
                 self._windows.give(slot[2])

@@ -105,3 +105,97 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
     assert any("dcp/__0_0.distcp does not match its checksum (verified by rank 0)" in w
                for w in warnings)
     assert not ranks[1]["log"]  # rank 0 alone reports the skip
+
+
+class _DictEngine:
+    """The engine protocol over a plain dict of tensors, saved and loaded by DCP as the fsdp
+    engine does (fastio's checksumming writer; the resume's verified reader)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def save(self, ckpt: Path) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        from pipeline import fastio
+        from pipeline.checkpoint_async import dcp_writer
+
+        digests = fastio.Digests()
+        dcp.save(self.state, storage_writer=dcp_writer(ckpt, digests))
+        return {"digests": digests.relative_to(ckpt)}
+
+    def load(self, ckpt: Path, extra: dict) -> None:
+        from pipeline.checkpoint_tensors import dcp_load
+
+        dcp_load(self.state, ckpt / "dcp", fs=extra["verified"].dcp_filesystem())
+
+
+class _NoLoader:
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _damage_worker(rank: int, store: str, root: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.errors import PipelineError
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("pipeline.checkpoint_manager").addHandler(Keep())
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    # 6 MB per rank (two blocks of 4 MiB): each rank's own shard file, read by it alone.
+    engine = _DictEngine({f"w{rank}": torch.zeros(1_500_000), "shared": torch.zeros(10)})
+    result: dict = {}
+    for name in ("two", "alone"):
+        manager = CheckpointManager(Path(root) / name, config_hash="cfg", data_hash="data",
+                                       keep_last=5, backend="fsdp", zero_stage=None,
+                                       rank=rank, world_size=2)
+        steps = (1, 2) if name == "two" else (1,)
+        for step in steps:
+            for t in engine.state.values():
+                t.fill_(float(step))
+            manager.save(engine, ck.TrainerState(step=step, tokens_seen=0, loader={}))
+        dist.barrier()
+        if rank == 0:  # one byte of rank 1's shard of the newest checkpoint, in its 2nd block
+            _flip(Path(root) / name / f"step-{steps[-1]:06d}" / "dcp/__1_0.distcp", 5 << 20)
+        dist.barrier()
+        for t in engine.state.values():
+            t.fill_(-1.0)
+        path = manager.resume()
+        # The damaged shard is not read before the engine reads it: resume chooses it.
+        result[name] = {"chosen": Path(path).name}
+        try:
+            state = manager.load(path, engine, _NoLoader())
+            result[name].update(loaded=manager.loaded.name, step=state.step,
+                                values=sorted({float(t.mean()) for t in engine.state.values()}))
+        except PipelineError as err:
+            result[name]["error"] = str(err)
+    dist.destroy_process_group()
+    Path(out, f"damage{rank}.json").write_text(json.dumps({"result": result, "log": messages}))
+
+
+def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_older_one_loads(
+        tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_damage_worker, args=(str(tmp_path / "store"), str(tmp_path / "ck"),
+                                   str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"damage{r}.json").read_text()) for r in (0, 1)]
+    manifest = json.loads((tmp_path / "ck/two/step-000001" / ck.MANIFEST).read_text())
+    assert len(manifest["files"]["dcp/__1_0.distcp"]["blocks"]["xxh3_64"]) == 2
+    for got in ranks:
+        two, alone = got["result"]["two"], got["result"]["alone"]
+        assert two["chosen"] == "step-000002"
+        # Every rank fell back together; every tensor holds step 1's values, none step 2's.
+        assert (two["loaded"], two["step"], two["values"]) == ("step-000001", 1, [1.0])
+        assert alone["chosen"] == "step-000001" and "loaded" not in alone
+        assert "no older checkpoint of this run verifies" in alone["error"].lower()
+        assert "move " in alone["error"] and "step-000001" in alone["error"]
+    assert any("step-000002" in w and "bytes 4194304-" in w and "__1_0.distcp" in w
+               for w in ranks[0]["log"]), ranks[0]["log"]

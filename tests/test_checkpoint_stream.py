@@ -101,3 +101,68 @@ def test_torch_load_through_the_stream_is_rechecked(tmp_path: Path) -> None:
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     finally:
         windows.close()
+
+
+def _blocks(data: bytes, size: int) -> tuple[int, list[str]]:
+    return size, [xxhash.xxh3_64_hexdigest(data[i:i + size]) for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
+def test_block_checked_stream_serves_verified_bytes_and_stops_at_a_damaged_block(
+        tmp_path: Path, direct: bool) -> None:
+    size, block = 65536 * 3 + 123, 16384
+    path, data = _file(tmp_path, size)
+    blocks = _blocks(data, block)
+    windows = cs.Windows()
+    rng = np.random.default_rng(2)
+    try:
+        with cs.WindowStream(path, size, None, windows, direct=direct, blocks=blocks) as f:
+            for _ in range(50):  # any read order: every refill is whole, checked blocks
+                off, n = int(rng.integers(0, size)), int(rng.integers(1, 100_000))
+                f.seek(off)
+                assert f.read(n) == data[off:off + n]
+            assert f.damage is None
+        bad = bytearray(data)
+        bad[5 * block + 7] ^= 0x40  # one bit of block 5
+        path.write_bytes(bytes(bad))
+        with cs.WindowStream(path, size, None, windows, direct=direct, blocks=blocks) as f:
+            assert f.read(5 * block) == data[:5 * block]  # the blocks before it still serve
+            with pytest.raises(cs.CheckpointDamaged,
+                               match=f"bytes {5 * block}-{6 * block} do not match"):
+                f.read(10)
+            assert isinstance(f.damage, cs.CheckpointDamaged)
+            f.seek(0)  # a window that failed its check serves nothing afterwards
+            with pytest.raises(cs.CheckpointDamaged):
+                f.read(size)
+        path.write_bytes(data[:4 * block])  # cut short
+        with (cs.WindowStream(path, size, None, windows, direct=direct, blocks=blocks) as f,
+              pytest.raises(cs.CheckpointDamaged, match="shorter than the manifest")):
+            f.read(size)
+    finally:
+        windows.close()
+
+
+def test_a_read_far_ahead_keeps_the_main_runs_read_ahead(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A large zip item's directory is read (at its end) before the item: the front-to-back
+    # run keeps growing its read-ahead instead of starting again from the minimum.
+    monkeypatch.setattr(cs.WindowStream, "MIN_AHEAD", 4096)
+    size, block = 65536 * 8, 4096
+    path, data = _file(tmp_path, size)
+    windows = cs.Windows()
+    fills: list[int] = []
+    real = windows.fill
+    windows.fill = lambda fd, view, off: fills.append(len(view)) or real(fd, view, off)
+    try:
+        with cs.WindowStream(path, size, None, windows, blocks=_blocks(data, block)) as f:
+            got = bytearray()
+            for i in range(0, size, 65536):
+                f.seek(min(size - 10, i + 65536 * 3))  # peek far ahead
+                assert f.read(10) == data[min(size - 10, i + 65536 * 3):][:10]
+                f.seek(i)
+                got += f.read(65536)
+            assert bytes(got) == data
+    finally:
+        windows.close()
+    # The peeks cost one block each; the main run streams in whole windows.
+    assert len(fills) <= 16 and sum(f == cs.WINDOW_BYTES for f in fills) >= 7, fills

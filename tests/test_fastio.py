@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import xxhash
 import torch
+import xxhash
 
 from pipeline import checkpoint as ck
 from pipeline import fastio
