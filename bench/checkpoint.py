@@ -162,7 +162,10 @@ def worker(run_dir: Path) -> None:
         p = p.to_local() if hasattr(p, "to_local") else p
         return p.detach().clone()
 
-    before = [local(p) for p in params()]
+    # What the load must bring back: the weights and (deepspeed: read into the memory of the
+    # state it replaces, pipeline.checkpoint_reuse) the optimizer's moments.
+    moments = getattr(engine, "load_targets", list)
+    before = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
     root = run_dir / "checkpoints"
     state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
     # Where the save's time goes: the engine's files, then rank 0's manifest (checksums).
@@ -195,7 +198,7 @@ def worker(run_dir: Path) -> None:
     reps = []
     for _ in range(int(os.environ.get("BENCH_REPS", "1"))):
         reps.append(_timed_load(manager, engine, params, root, probe, env_.rank))
-        after = [local(p) for p in params()]
+        after = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
         same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         flag = torch.tensor([0.0 if same else 1.0])
         dist.all_reduce(flag)
@@ -226,11 +229,14 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
     for p in params():  # scribble over the weights: the load must bring them back
         with torch.no_grad():
             (p.to_local() if hasattr(p, "to_local") else p).data.add_(1.0)
+    with torch.no_grad():
+        for t in getattr(engine, "load_targets", list)():
+            t.add_(1.0)
     dist.barrier()
     # The trainer's resume: the manager's resume (rank 0's structural choice, then every rank
     # verifies its share) and load (the engine reads the files).
     t0 = time.perf_counter()
-    path = manager.resume()
+    path = manager.resume(reuse=getattr(engine, "load_targets", None))
     verify_s = time.perf_counter() - t0
     assert path is not None, "the checkpoint just saved does not verify"
     manager.load(path, engine, _Loader())
@@ -266,7 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--backends", default="fsdp,deepspeed")
-    ap.add_argument("--reps", type=int, default=3, help="cold loads per engine (median)")
+    ap.add_argument("--reps", type=int, default=5, help="cold loads per engine (median)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temp dir (the disk)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -284,7 +290,7 @@ def main() -> None:
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
                   f"({mb / r['save_s']:5.0f} MB/s; dd write {r['dd_write']:5.0f} MB/s), "
-                  f"weights restored: {r['restored']}\n"
+                  f"weights (and deepspeed: Adam moments) restored: {r['restored']}\n"
                   f"{'':10s}save = engine files {r['engine_s']:.2f} s + manifest (checksums, "
                   f"rename) {r['manifest_s']:.2f} s + rest", flush=True)
             for i, rep in enumerate(r["reps"]):

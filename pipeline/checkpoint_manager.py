@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,7 @@ class CheckpointManager:
         self.world_size = world_size
         self._verified: Any = None  # what resume's verification kept for load
         self._skipped: set[Path] = set()  # checkpoints found damaged by this resume
+        self._reuse: Callable[[], list[Any]] | None = None
         self.loaded: Path | None = None
         """The checkpoint the last :meth:`load` restored (an older one than asked, if that one
         turned out damaged)."""
@@ -70,17 +72,21 @@ class CheckpointManager:
                    zero_stage=run.train.zero_stage, rank=rank, world_size=world_size,
                    background=run.train.checkpoint_async)
 
-    def resume(self) -> Path | None:
+    def resume(self, reuse: Callable[[], list[Any]] | None = None) -> Path | None:
         """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
         folders, chooses with :func:`resume_point` (structure, config and data only) and
         broadcasts its choice; every rank then verifies its share and the ranks agree
         (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads anything
         (the large files a rank reads itself and that have block checksums are verified block
         by block as they are read, :meth:`load`). A checkpoint that fails is skipped for the
-        next older one, with a warning. The verified bytes wait for :meth:`load`."""
+        next older one, with a warning. The verified bytes wait for :meth:`load`.
+
+        ``reuse`` (the engine's ``load_targets``): its state tensors that what it will load may
+        be read into instead of fresh memory (:mod:`pipeline.checkpoint_reuse`)."""
         if self.rank == 0:
             clean_tmp(self.root)
         self._skipped = set()
+        self._reuse = reuse
         return self._choose()
 
     def _choose(self) -> Path | None:
@@ -101,7 +107,7 @@ class CheckpointManager:
             if box[0] is None:
                 return None
             path = Path(box[0])
-            verified, why = verify_collective(path, self.rank, self.world_size)
+            verified, why = verify_collective(path, self.rank, self.world_size, self._reuse)
             if why is None:
                 self._verified = verified
                 return path

@@ -48,6 +48,7 @@ import xxhash
 
 from pipeline.checkpoint_stream import (
     WINDOW_BYTES,
+    CheckpointDamaged,
     SeekableReader,
     Windows,
     WindowStream,
@@ -180,6 +181,9 @@ class VerifiedFiles:
     loaded: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed optimizer partitions already deserialized while they were verified (one read of
     the disk; :func:`verify_local`), for the engine's load to take."""
+    pool: Any = None
+    """The :class:`~pipeline.checkpoint_reuse.StoragePool` of the engine's current optimizer
+    state that the partitions are deserialized into (or None: fresh memory)."""
     windows: Windows = field(default_factory=Windows)
 
     def _rel(self, path: str | os.PathLike) -> str | None:
@@ -256,8 +260,11 @@ class VerifiedFiles:
 
     def release(self) -> None:
         """Drop the kept bytes, what the engine did not take and the read buffers (after the
-        engine loaded them)."""
+        engine loaded them, or instead: then the engine's state memory that a partition was
+        read into is zeroed again)."""
         self.data.clear()
+        if self.loaded and self.pool is not None:
+            self.pool.wipe()
         self.loaded.clear()
         self.windows.close()
 
@@ -332,8 +339,11 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
             digest = h.hexdigest()
         else:
             view = None
+            # DeepSpeed's model states are memory-mapped by the engine's load (ds_loader): read
+            # through the page cache here, that load finds them there (one read of the disk).
+            mapped = _DS_MODEL.search(rel) is not None
             digest = digest_file_windowed(path / rel, size, windows, algorithm=algorithm,
-                                        direct=not THROUGH_PAGE_CACHE)
+                                        direct=not (THROUGH_PAGE_CACHE or mapped))
     except OSError as err:
         return f"{rel} could not be read ({err.strerror or err})", False
     if digest != info.get(algorithm):
@@ -355,22 +365,63 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
     stream (its only read of the disk) and keep it in ``out.loaded``: (failure or None,
     refused), as :func:`_check`: with every byte read verified, a file that still does not
     load or names globals beyond the allow-list was written so (refused)."""
-    why = None
+    from pipeline.checkpoint_reuse import load_reusing
+
+    why, refused = None, True  # a failure with every byte read verified: refused
     try:
         with out.open(path / rel) as f:
             try:
                 classes = ds_classes(f, path / rel)
                 f.seek(0)
-                out.loaded[rel] = load_ds_stream(f, path / rel, classes, "cpu")
+                if out.pool is not None:
+                    loaded = load_reusing(f, out.digests[rel][0], str(path / rel), classes,
+                                          out.pool)
+                else:
+                    loaded = load_ds_stream(f, path / rel, classes, "cpu")
+                out.loaded[rel] = loaded
             except PipelineError as err:  # torch.load wraps what the stream raised
                 why = str(err)
             damage = getattr(f, "damage", None)
     except OSError as err:
-        return f"{rel} could not be read ({err.strerror or err})", False
+        why, refused, damage = f"{rel} could not be read ({err.strerror or err})", False, None
+    if why is not None or damage is not None:
+        out.loaded.clear()  # the checkpoint is not loaded: the engine's memory as it was
+        if out.pool is not None:
+            out.pool.wipe()
     if damage is not None:
-        out.loaded.pop(rel, None)
         return f"{rel}: {str(damage).split(': ', 1)[-1]}", False
-    return why, why is not None
+    return why, why is not None and refused
+
+
+def _check_part(path: Path, rel: str, lo: int, hi: int, out: VerifiedFiles) -> str | None:
+    """Check bytes ``[lo, hi)`` of the shared file ``rel`` block by block, through the page
+    cache (the engine maps it: the ranks' reads leave it there for all of them)."""
+    size, _ = out.digests[rel]
+    try:
+        with WindowStream(path / rel, size, None, out.windows, direct=False,
+                          blocks=out.blocks[rel]) as f:
+            f.verify_range(lo, hi)
+    except CheckpointDamaged as err:
+        return f"{rel}: {str(err).split(': ', 1)[-1]}"
+    except OSError as err:
+        return f"{rel} could not be read ({err.strerror or err})"
+    return None
+
+
+def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
+                 rank: int) -> dict[str, tuple[int, int]]:
+    """This rank's byte range of each large file with block checksums that several ranks load
+    memory-mapped (DeepSpeed's model states): each of them checks a share of its blocks."""
+    out = {}
+    for rel, ranks in who.items():
+        blocks = usable_blocks(files[rel])
+        if len(ranks) < 2 or rank not in ranks or blocks is None or not _DS_MODEL.search(rel):
+            continue
+        n, i = len(blocks[1]), ranks.index(rank)
+        lo, hi = n * i // len(ranks), n * (i + 1) // len(ranks)
+        if hi > lo:
+            out[rel] = (lo * blocks[0], min(hi * blocks[0], files[rel]["bytes"]))
+    return out
 
 
 def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> bool:
@@ -391,7 +442,9 @@ def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
 
 
 def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
-                 once: frozenset[str] = frozenset()) -> tuple[VerifiedFiles, str | None, bool]:
+                 once: frozenset[str] = frozenset(), pool: Any = None,
+                 parts: dict[str, tuple[int, int]] | None = None
+                 ) -> tuple[VerifiedFiles, str | None, bool]:
     """Check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept). Those in
     ``once`` (:func:`read_once`) are not read now: the engine's read checks each block, except
     DeepSpeed's optimizer partitions, deserialized now through that check (the engine's load of
@@ -402,11 +455,17 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
     out = VerifiedFiles(path, digests={rel: (info["bytes"], info.get(DIGEST))
                                        for rel, info in files.items()})
     out.blocks = {rel: b for rel, info in files.items() if (b := usable_blocks(info))}
+    out.pool = pool
+    parts = parts or {}
+    for rel, (lo, hi) in sorted(parts.items()):
+        why = _check_part(path, rel, lo, hi, out)
+        if why is not None:
+            return out, why, False
     for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
-        if rel in once and _DS_ZERO.search(rel) and rel.startswith("ds/"):
-            why, refused = _preload_ds(path, rel, out)
-        elif rel in once:
+        if rel in parts or (rel in once and not _DS_ZERO.search(rel)):
             continue
+        if rel in once:
+            why, refused = _preload_ds(path, rel, out)
         else:
             why, refused = _check(path, rel, files[rel], out.windows, out)
         if why is not None:
@@ -414,10 +473,14 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
     return out, None, False
 
 
-def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles, str | None]:
+def verify_collective(path: Path, rank: int, world: int,
+                      reuse: Callable[[], list[Any]] | None = None
+                      ) -> tuple[VerifiedFiles, str | None]:
     """Collective: every rank verifies its share of ``path`` (:func:`assign`), then all ranks
     exchange their verdicts; every rank returns the same first failure (with the rank that
     found it), or None with the bytes it kept. ``path`` passed rank 0's structural check.
+    ``reuse``: the engine's state tensors that a DeepSpeed partition may be deserialized into
+    (:mod:`pipeline.checkpoint_reuse`).
 
     A refusal (:func:`verify_local`) is raised on every rank as the same
     :class:`~pipeline.errors.PipelineError`: a tampered checkpoint stops the run, as the
@@ -442,7 +505,13 @@ def verify_collective(path: Path, rank: int, world: int) -> tuple[VerifiedFiles,
         who = claims(files, world, meta.get("world_size"))
         once = frozenset(rel for rel in mine[rank]
                          if read_once(rel, files[rel], who.get(rel, []), rank))
-        cache, why, refused = verify_local(path, files, mine[rank], once)
+        pool = None
+        if reuse is not None and any(_DS_ZERO.search(rel) for rel in once):
+            from pipeline.checkpoint_reuse import StoragePool
+
+            pool = StoragePool(reuse())
+        parts = split_shared(files, who, rank)
+        cache, why, refused = verify_local(path, files, mine[rank], once, pool, parts)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

@@ -235,6 +235,7 @@ class WindowStream(SeekableReader):
         # the item) starts a run of its own instead of resetting the read-ahead of the main one.
         self._runs: list[list[int]] = []
         self._ahead: tuple[int, Any, memoryview, Future[int]] | None = None
+        self._limit = size  # no read past it (verify_range)
         self.rechecked = False
         """Whether :meth:`close` compared the bytes read with ``digest``."""
         self.damage: CheckpointDamaged | None = None
@@ -266,14 +267,14 @@ class WindowStream(SeekableReader):
         else:
             start, run = pos - pos % align, [0, min(max(self.MIN_AHEAD, align), WINDOW_BYTES)]
         self._runs = [run, *self._runs][:self.SLOTS]
-        length = min(WINDOW_BYTES, max(run[1], pos - start + want))
+        length = min(WINDOW_BYTES, max(run[1], pos - start + want), self._limit - start)
         length = -(-length // align) * align
         slot[0] = slot[1] = 0  # refilled: holds nothing until verified
         n = self._take_ahead(slot, start, length)
         if n is None:
             n = self._windows.fill(self._fd, slot[3][:length], start)
         run[0] = start + n
-        if run[1] == WINDOW_BYTES and n == length and run[0] < self.size:
+        if run[1] == WINDOW_BYTES and n == length and run[0] < min(self.size, self._limit):
             self._read_ahead(run[0])  # streaming: the next window while this one is used
         end = start + min(n, max(0, self.size - start))
         if self._blocks is not None:
@@ -291,6 +292,16 @@ class WindowStream(SeekableReader):
                     self._hash.update(view[self._hashed - s0:s1 - s0])
                     self._hashed, progress = s1, True
         return slot
+
+    def verify_range(self, start: int, end: int) -> None:
+        """Read and check the blocks of ``[start, end)`` (block-aligned ``start``), serving
+        nothing (a file several ranks read, verified by each in part): :class:`CheckpointDamaged`
+        at a block that differs."""
+        assert self._blocks is not None and start % self._align == 0
+        self._limit = min(self.size, -(-end // self._align) * self._align)
+        pos = start
+        while pos < min(end, self.size):
+            pos = self._slot(pos)[1]
 
     def _read_ahead(self, start: int) -> None:
         """Start reading the window at ``start`` in the background (:meth:`_take_ahead`)."""

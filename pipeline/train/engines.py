@@ -311,6 +311,16 @@ class DeepSpeedEngine:
             del ce.save  # back to the class's method
         return {}, self._writer.start(ckpt)
 
+    def load_targets(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (Adam's moments), which a load replaces wholesale
+        (``torch.optim``'s ``load_state_dict``): a resume may read the checkpoint's into their
+        memory instead of fresh memory (``pipeline.checkpoint_reuse``)."""
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        state = getattr(inner, "state", None) or {}
+        return [v for per_param in state.values() if isinstance(per_param, dict)
+                for v in per_param.values() if isinstance(v, torch.Tensor)]
+
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
 

@@ -242,7 +242,7 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.rec is not None
-        path = self.ckpt.resume()
+        path = self.ckpt.resume(reuse=getattr(self.engine, "load_targets", None))
         if path is None:
             self.rec.event("start", resumed_from=0, checkpoint=None, **self.layout)
             return
