@@ -393,19 +393,30 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
     return why, why is not None and refused
 
 
-def _check_part(path: Path, rel: str, lo: int, hi: int, out: VerifiedFiles) -> str | None:
+def _check_part(path: Path, rel: str, lo: int, hi: int,
+                out: VerifiedFiles) -> tuple[str | None, bool]:
     """Check bytes ``[lo, hi)`` of the shared file ``rel`` block by block, through the page
-    cache (the engine maps it: the ranks' reads leave it there for all of them)."""
+    cache (the engine maps it: the ranks' reads leave it there for all of them); the rank with
+    the first share also checks the globals its pickle names. (failure or None, refused), as
+    :func:`_check`."""
     size, _ = out.digests[rel]
     try:
         with WindowStream(path / rel, size, None, out.windows, direct=False,
                           blocks=out.blocks[rel]) as f:
             f.verify_range(lo, hi)
+        if lo == 0:
+            with WindowStream(path / rel, size, None, out.windows, direct=False,
+                              blocks=out.blocks[rel]) as f:
+                why = ds_globals_refused(f, path / rel)
+                if f.damage is not None:
+                    raise f.damage
+            if why is not None:
+                return why, True
     except CheckpointDamaged as err:
-        return f"{rel}: {str(err).split(': ', 1)[-1]}"
+        return f"{rel}: {str(err).split(': ', 1)[-1]}", False
     except OSError as err:
-        return f"{rel} could not be read ({err.strerror or err})"
-    return None
+        return f"{rel} could not be read ({err.strerror or err})", False
+    return None, False
 
 
 def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
@@ -458,9 +469,9 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
     out.pool = pool
     parts = parts or {}
     for rel, (lo, hi) in sorted(parts.items()):
-        why = _check_part(path, rel, lo, hi, out)
+        why, refused = _check_part(path, rel, lo, hi, out)
         if why is not None:
-            return out, why, False
+            return out, why, refused
     for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
         if rel in parts or (rel in once and not _DS_ZERO.search(rel)):
             continue

@@ -199,3 +199,35 @@ def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_old
         assert "move " in alone["error"] and "step-000001" in alone["error"]
     assert any("step-000002" in w and "bytes 4194304-" in w and "__1_0.distcp" in w
                for w in ranks[0]["log"]), ranks[0]["log"]
+
+
+def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Path) -> None:
+    import torch
+
+    from pipeline import fastio
+
+    rel = "ds/ds/mp_rank_00_model_states.pt"  # DeepSpeed's model states: every rank maps it
+    tmp = ck.tmp_dir(tmp_path, 1)
+    (tmp / "ds/ds").mkdir(parents=True)
+    digests = fastio.Digests()
+    fastio.torch_save({"module": {"w": torch.randn(3_000_000)}}, tmp / rel, digests)
+    path = ck.finalize(tmp_path, 1, {"world_size": 2}, keep_last=5,
+                       known=digests.relative_to(tmp))
+    files = json.loads((path / ck.MANIFEST).read_text())["files"]
+    who = cr.claims(files, 2, 2)
+    assert who[rel] == [0, 1]
+    shares = [cr.split_shared(files, who, r)[rel] for r in (0, 1)]
+    size = files[rel]["bytes"]
+    assert shares[0][0] == 0 and shares[0][1] == shares[1][0] and shares[1][1] == size
+    for r in (0, 1):
+        assert cr.verify_local(path, files, [], parts={rel: shares[r]})[1] is None
+    for offset, bad in ((shares[1][0] + 10, 1), (5, 0)):  # a byte in one rank's share
+        data = bytearray((path / rel).read_bytes())
+        data[offset] ^= 1
+        (path / rel).write_bytes(bytes(data))
+        verdicts = [cr.verify_local(path, files, [], parts={rel: shares[r]})[1:] for r in (0, 1)]
+        assert verdicts[1 - bad] == (None, False)
+        assert "do not match the manifest's block checksum" in verdicts[bad][0]
+        assert verdicts[bad][1] is False  # damage, not a refusal
+        data[offset] ^= 1
+        (path / rel).write_bytes(bytes(data))
