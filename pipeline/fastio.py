@@ -88,30 +88,28 @@ def manifest_entry(digest: str, nbytes: int, blocks: list[str] | None) -> dict[s
     return entry
 
 
-def digest_file_blocks(path: str | Path, chunk: int = BUFFER_BYTES) -> tuple[str, list[str]]:
-    """(hex xxh3-128, block xxh3-64s) of a file, streamed through one buffer."""
-    assert chunk % BLOCK_BYTES == 0 or BLOCK_BYTES % chunk == 0
-    h = BlockHasher()
+def _feed(path: str | Path, chunk: int, update: Any) -> None:
+    """Pass a file's bytes, in order, to ``update``, streamed through one buffer."""
     with open(path, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):  # a larger readahead window for one sequential pass
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         buf = bytearray(chunk)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            h.update(view[:n])
+            update(view[:n])
+
+
+def digest_file_blocks(path: str | Path, chunk: int = BUFFER_BYTES) -> tuple[str, list[str]]:
+    """(hex xxh3-128, block xxh3-64s) of a file."""
+    h = BlockHasher()
+    _feed(path, chunk, h.update)
     return h.finish()
 
 
 def digest_file(path: str | Path, chunk: int = BUFFER_BYTES) -> str:
-    """Hex xxh3-128 of a file (the manifest's checksum), streamed through one buffer."""
+    """Hex xxh3-128 of a file (the manifest's checksum)."""
     h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        if hasattr(os, "posix_fadvise"):  # a larger readahead window for one sequential pass
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    _feed(path, chunk, h.update)
     return h.hexdigest()
 
 

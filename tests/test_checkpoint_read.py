@@ -52,9 +52,8 @@ def test_every_file_is_verified_by_some_rank_and_shards_by_their_own() -> None:
     assert set(other[0]) | set(other[1]) == set(files)
 
 
-def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
-    import torch.distributed as dist
-
+def _manager_warnings() -> list[str]:
+    """The checkpoint manager's log messages of this process, as they come."""
     messages: list[str] = []
 
     class Keep(logging.Handler):
@@ -62,6 +61,13 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
             messages.append(record.getMessage())
 
     logging.getLogger("pipeline.checkpoint_manager").addHandler(Keep())
+    return messages
+
+
+def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    messages = _manager_warnings()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     result = []
     for root in roots:
@@ -141,13 +147,7 @@ def _damage_worker(rank: int, store: str, root: str, out: str) -> None:
 
     from pipeline.errors import PipelineError
 
-    messages: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("pipeline.checkpoint_manager").addHandler(Keep())
+    messages = _manager_warnings()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     # 6 MB per rank (two blocks of 4 MiB): each rank's own shard file, read by it alone.
     engine = _DictEngine({f"w{rank}": torch.zeros(1_500_000), "shared": torch.zeros(10)})
