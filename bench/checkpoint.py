@@ -18,10 +18,8 @@ moments exist), then
   DeepSpeed's Adam moments) are checked equal to those saved.
 
 ``dd`` in the same run and directory, on a file of the checkpoint's size: write ``oflag=direct
-conv=fsync`` once after the save, and read ``iflag=direct`` right before *each* of ``--reps``
-loads (the development VM's disk swings between ~1.4 and ~3.8 GB/s from one minute to the
-next: a ratio against a ``dd`` taken minutes apart measures the swing), and again right after
-it. MB/s = checkpoint bytes / seconds; the load ratio printed is the median over the
+conv=fsync`` once after the save; right before *each* of ``--reps`` loads, and again right after
+it, a fresh copy is written and read ``iflag=direct`` (:func:`dd_read_fresh`). MB/s = checkpoint bytes / seconds; the load ratio printed is the median over the
 repetitions, against the ``dd`` just before (and, in brackets, against the mean of the two).
 Goal: >= 0.7x ``dd``.
 """
@@ -226,7 +224,7 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
 
     gc.collect()  # no tensor of an earlier load may keep the checkpoint's pages mapped
     dist.barrier()
-    dd_read = dd_read_file(probe) if rank == 0 else 0.0
+    dd_read = dd_read_fresh(probe) if rank == 0 else 0.0
     if rank == 0:
         evict(root)
     for p in params():  # scribble over the weights: the load must bring them back
@@ -245,9 +243,8 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
     manager.load(path, engine, _Loader())
     dist.barrier()
     load_s = time.perf_counter() - t0
-    # And right after: the disk has modes (here ~1.6 and ~3.9 GB/s for dd, minutes or seconds
-    # long); a load between two dd reads that disagree met a change of mode.
-    dd_after = dd_read_file(probe) if rank == 0 else 0.0
+    # And right after: a load between two dd reads that disagree met a change of the disk.
+    dd_after = dd_read_fresh(probe) if rank == 0 else 0.0
     return {"load_s": load_s, "verify_s": verify_s, "dd_read": dd_read, "dd_after": dd_after}
 
 
@@ -267,6 +264,20 @@ def dd_write_file(path: Path, nbytes: int) -> float:
     """MB/s of ``dd`` writing ``path`` (``nbytes``, direct I/O, fsync)."""
     count = max(1, nbytes // DD_BS)
     return _dd(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"], count)
+
+
+def dd_read_fresh(probe: Path) -> float:
+    """MB/s of ``dd`` reading a copy of ``probe`` written just before (direct I/O), so that it is
+    a first read, as the checkpoint's is (reading one file twice in a row, the second read ran
+    at 3.9-4.0 GB/s against the first's 1.7). Even so dd reads at one of two rates on the
+    development VM, 1.6-1.8 or 3.8-4.3 GB/s, while the loads read at 1.5-2.0: the dd just after
+    each load shows which the load met."""
+    fresh = probe.with_name(probe.name + ".fresh")
+    dd_write_file(fresh, probe.stat().st_size)
+    try:
+        return dd_read_file(fresh)
+    finally:
+        fresh.unlink()
 
 
 def dd_read_file(path: Path) -> float:
