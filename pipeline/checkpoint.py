@@ -44,6 +44,7 @@ from pipeline.artifacts import (
 )
 from pipeline.errors import PipelineError
 from pipeline.fastio import (
+    ALIGN,
     BLOCK_DIGEST,
     DIGEST,
     digest_file,
@@ -117,7 +118,7 @@ def block_digests(info: dict[str, Any]) -> tuple[int, list[str]] | None:
     if not isinstance(blocks, dict):
         return None
     size, digests = blocks.get("bytes"), blocks.get(BLOCK_DIGEST)
-    if (not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 4096
+    if (not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % ALIGN
             or not isinstance(digests, list)
             or len(digests) != -(-info["bytes"] // size)
             or not all(isinstance(d, str) and len(d) == 16 for d in digests)):

@@ -33,7 +33,7 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_MAGIC = 0x04034B50
 
 
-class _Slice(SeekableReader):
+class Slice(SeekableReader):
     """Bytes ``[offset, offset + length)`` of a seekable stream, as a file of their own."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
@@ -52,7 +52,7 @@ class _Slice(SeekableReader):
         return got
 
 
-def _record(f: _Slice, info: zipfile.ZipInfo) -> tuple[int, int] | None:
+def zip_record(f: Slice, info: zipfile.ZipInfo) -> tuple[int, int] | None:
     """(offset, size) of a stored (uncompressed) zip record's bytes within ``f``."""
     if info.compress_type != zipfile.ZIP_STORED:
         return None
@@ -79,7 +79,7 @@ def _meta_tensor(pickled: bytes) -> torch.Tensor | None:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
             raise pickle.UnpicklingError("unexpected persistent id")
         _, storage_type, key, _location, numel = saved_id
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        dtype = storage_dtype(storage_type)
         keys.append(str(key))
         nbytes = int(numel) * torch._utils._element_size(dtype)
         return torch.storage.TypedStorage(
@@ -96,7 +96,7 @@ def _meta_tensor(pickled: bytes) -> torch.Tensor | None:
     return t
 
 
-def saved_tensor(f: _Slice) -> tuple[torch.Tensor, int] | None:
+def saved_tensor(f: Slice) -> tuple[torch.Tensor, int] | None:
     """The meta tensor of one DCP item (:func:`_meta_tensor`) and the offset of its bytes,
     when the item is one contiguous tensor stored whole; else None."""
     try:
@@ -109,7 +109,7 @@ def saved_tensor(f: _Slice) -> tuple[torch.Tensor, int] | None:
     data = [i for i in names if "/data/" in i.filename]
     if len(pkl) != 1 or len(data) != 1 or not data[0].filename.endswith("/data/0"):
         return None
-    where_pkl, where_data = _record(f, pkl[0]), _record(f, data[0])
+    where_pkl, where_data = zip_record(f, pkl[0]), zip_record(f, data[0])
     if where_pkl is None or where_data is None:
         return None
     f.seek(where_pkl[0])
@@ -122,15 +122,29 @@ def saved_tensor(f: _Slice) -> tuple[torch.Tensor, int] | None:
     return meta, where_data[0]
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU tensor as writable bytes."""
+def storage_dtype(storage_type: Any) -> torch.dtype:
+    """The dtype of a storage type named by a ``torch.save`` pickle's persistent id."""
+    return torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+
+
+def memory_of(address: int, nbytes: int) -> memoryview:
+    """``nbytes`` of CPU memory at ``address`` (a tensor's or storage's) as writable bytes."""
     import ctypes
 
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(
-        t.data_ptr())).cast("B")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def read_item_into(f: _Slice, req: Any, target: torch.Tensor) -> bool:
+def readinto_exact(f: Any, out: memoryview, what: str) -> None:
+    """Fill ``out`` from ``f``; :class:`PipelineError` naming ``what`` if ``f`` ends first."""
+    got = 0
+    while got < len(out):
+        n = f.readinto(out[got:])
+        if not n:
+            raise PipelineError(f"{what} ends early ({got} of {len(out)} bytes)")
+        got += n
+
+
+def read_item_into(f: Slice, req: Any, target: torch.Tensor) -> bool:
     """Read the DCP item open as ``f`` straight into ``target`` (the destination of ``req``),
     when it is one contiguous tensor of ``target``'s dtype and shape, requested whole; False
     (nothing read into ``target``) otherwise."""
@@ -143,15 +157,9 @@ def read_item_into(f: _Slice, req: Any, target: torch.Tensor) -> bool:
     if (meta.dtype != target.dtype or tuple(meta.shape) != tuple(target.shape)
             or any(req.storage_offsets) or tuple(req.lengths) != tuple(meta.shape)):
         return False
-    out = _bytes_of(target)
     f.seek(offset)
-    got = 0
-    while got < len(out):
-        n = f.readinto(out[got:])
-        if not n:
-            raise PipelineError(f"{getattr(f._f, 'path', 'a DCP file')}: an item ends early "
-                                f"({got} of {len(out)} bytes)")
-        got += n
+    readinto_exact(f, memory_of(target.data_ptr(), target.numel() * target.element_size()),
+                   f"an item of {getattr(f._f, 'path', 'a DCP file')}")
     return True
 
 
@@ -167,7 +175,7 @@ def read_items(reader: Any, items: list[Any], planner: Any) -> None:
         with reader.fs.create_stream(path, "rb") as stream:
             for req in reqs:
                 md = reader.storage_data[req.storage_index]
-                f = _Slice(stream, md.offset, md.length)
+                f = Slice(stream, md.offset, md.length)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(f.read(-1)))
                     continue

@@ -17,7 +17,6 @@ legacy one DeepSpeed writes by default (the storages' bytes after the pickles, i
 
 from __future__ import annotations
 
-import ctypes
 import io
 import pickle
 import zipfile
@@ -25,7 +24,13 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint_dcp import _record, _Slice
+from pipeline.checkpoint_dcp import (
+    Slice,
+    memory_of,
+    readinto_exact,
+    storage_dtype,
+    zip_record,
+)
 from pipeline.errors import PipelineError
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -67,19 +72,6 @@ class StoragePool:
         self.borrowed.clear()
 
 
-def _storage_bytes(s: torch.UntypedStorage) -> memoryview:
-    return memoryview((ctypes.c_char * s.nbytes()).from_address(s.data_ptr())).cast("B")
-
-
-def _read_exact(f: Any, out: memoryview, what: str) -> None:
-    got = 0
-    while got < len(out):
-        n = f.readinto(out[got:])
-        if not n:
-            raise PipelineError(f"{what} ends early ({got} of {len(out)} bytes)")
-        got += n
-
-
 class _Loader:
     """One file's deserialization: storages from the pool or fresh, filled by ``fill``."""
 
@@ -103,10 +95,6 @@ class _Loader:
         return up.load()
 
 
-def _dtype(storage_type: Any) -> torch.dtype:
-    return torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-
-
 def _load_legacy(f: Any, name: str, loader: _Loader) -> Any:
     from torch import _weights_only_unpickler as wo
 
@@ -120,7 +108,7 @@ def _load_legacy(f: Any, name: str, loader: _Loader) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 6 or saved_id[5] is not None:
             raise pickle.UnpicklingError("only whole storages are read here")
         _, storage_type, key, _location, numel, _ = saved_id
-        return loader.storage(_dtype(storage_type), str(key), numel)
+        return loader.storage(storage_dtype(storage_type), str(key), numel)
 
     result = loader.unpickle(f, persistent)
     for key in wo.load(f, encoding="utf-8"):
@@ -132,15 +120,15 @@ def _load_legacy(f: Any, name: str, loader: _Loader) -> Any:
         numel = int.from_bytes(head, "little") if len(head) == 8 else -1
         if numel * torch._utils._element_size(s.dtype) != raw.nbytes():
             raise PipelineError(f"{name}: storage {key!r} does not have the size its pickle says")
-        _read_exact(f, _storage_bytes(raw), name)
+        readinto_exact(f, memory_of(raw.data_ptr(), raw.nbytes()), name)
     return result
 
 
 def _load_zip(f: Any, size: int, name: str, loader: _Loader) -> Any:
-    whole = _Slice(f, 0, size)
+    whole = Slice(f, 0, size)
     infos = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(whole).infolist()}
     pkl = infos.get("data.pkl")
-    where = _record(whole, pkl) if pkl is not None else None
+    where = zip_record(whole, pkl) if pkl is not None else None
     if where is None:
         raise PipelineError(f"{name}: no readable data.pkl in the zip")
     whole.seek(where[0])
@@ -151,14 +139,15 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader) -> Any:
             raise pickle.UnpicklingError("unexpected persistent id")
         _, storage_type, key, _location, numel = saved_id
         fresh = str(key) not in loader.storages
-        s = loader.storage(_dtype(storage_type), str(key), numel)
+        s = loader.storage(storage_dtype(storage_type), str(key), numel)
         if fresh:
             info = infos.get(f"data/{key}")
-            rec = _record(whole, info) if info is not None else None
+            rec = zip_record(whole, info) if info is not None else None
             if rec is None or rec[1] != s._untyped_storage.nbytes():
                 raise PipelineError(f"{name}: storage {key!r} is missing or not its size")
             whole.seek(rec[0])
-            _read_exact(whole, _storage_bytes(s._untyped_storage), name)
+            raw = s._untyped_storage
+            readinto_exact(whole, memory_of(raw.data_ptr(), raw.nbytes()), name)
         return s
 
     return loader.unpickle(io.BytesIO(pickled), persistent)

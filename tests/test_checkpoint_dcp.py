@@ -14,7 +14,7 @@ import torch
 from pipeline import checkpoint_dcp as cd
 
 
-def _item(obj: object) -> cd._Slice:
+def _item(obj: object) -> cd.Slice:
     """``obj`` saved as DCP saves an item, inside a larger stream (as in a shard file)."""
     buf = io.BytesIO()
     buf.write(b"x" * 1000)  # the items before it
@@ -23,7 +23,7 @@ def _item(obj: object) -> cd._Slice:
     length = buf.tell() - start
     buf.write(b"y" * 77)  # and after it
     buf.seek(0)
-    return cd._Slice(buf, start, length)
+    return cd.Slice(buf, start, length)
 
 
 def _whole(t: torch.Tensor) -> SimpleNamespace:
