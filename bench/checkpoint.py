@@ -17,11 +17,17 @@ moments exist), then
   (``posix_fadvise(DONTNEED)``), so it reads the disk as ``dd`` does; the weights (and
   DeepSpeed's Adam moments) are checked equal to those saved.
 
-``dd`` in the same run and directory, on a file of the checkpoint's size: write ``oflag=direct
-conv=fsync`` once after the save; right before *each* of ``--reps`` loads, and again right after
-it, a fresh copy is written and read ``iflag=direct`` (:func:`dd_read_fresh`). MB/s = checkpoint bytes / seconds; the load ratio printed is the median over the
-repetitions, against the ``dd`` just before (and, in brackets, against the mean of the two).
-Goal: >= 0.7x ``dd``.
+``dd`` in the same run, on the same bytes: right before *each* of ``--reps`` loads, and again
+right after it, ``dd iflag=direct`` reads the checkpoint's own files (every file of at least
+1 MiB, one after the other: one stream, as the issue's baseline), so that the load and its
+baseline meet the same disk, the same places on it and the same state of the host's cache;
+nothing is written between them. (An earlier version read a copy written just before each
+load: on the development VM the host's cache served such a copy at 2.5-4 GB/s while the disk
+itself read 1.6-1.7, and the copy's write-back slowed the load that followed.) ``dd`` writes a
+file of the checkpoint's size (``oflag=direct conv=fsync``) after the loads, for the save's
+ratio. MB/s = bytes / seconds; the load ratio printed is the median over the repetitions,
+against the ``dd`` just before (and, in brackets, against the mean of the two). Goal: >= 0.7x
+``dd``.
 """
 
 from __future__ import annotations
@@ -99,6 +105,12 @@ def start_engine(run_dir: Path) -> tuple[Any, Any, Any]:
     return run_cfg, env_, engine
 
 
+def replaced_state(engine: Any) -> list[Any]:
+    """The engine's state tensors that a resume reads into (DeepSpeed's masters and moments)."""
+    targets = engine.load_targets() if hasattr(engine, "load_targets") else None
+    return [] if targets is None else list(targets.tensors.values())
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The benchmark model's shape (a Llama of ~110 M parameters by default)."""
     ap.add_argument("--hidden", type=int, default=768)
@@ -164,8 +176,8 @@ def worker(run_dir: Path) -> None:
         return p.detach().clone()
 
     # What the load must bring back: the weights and (deepspeed: read into the memory of the
-    # state it replaces, pipeline.checkpoint_reuse) the optimizer's moments.
-    moments = getattr(engine, "load_targets", list)
+    # state it replaces, pipeline.checkpoint_reuse) the fp32 masters and Adam's moments.
+    moments = lambda: replaced_state(engine)  # noqa: E731
     before = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
     root = run_dir / "checkpoints"
     state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
@@ -194,18 +206,21 @@ def worker(run_dir: Path) -> None:
     t_save = time.perf_counter() - t0
     dist.barrier()
     nbytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    probe = run_dir / "dd.bin"
-    dd_write = dd_write_file(probe, nbytes) if env_.rank == 0 else 0.0
     reps = []
     for _ in range(int(os.environ.get("BENCH_REPS", "1"))):
-        reps.append(_timed_load(manager, engine, params, root, probe, env_.rank))
+        reps.append(_timed_load(manager, engine, params, root, env_.rank))
         after = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
         same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         flag = torch.tensor([0.0 if same else 1.0])
         dist.all_reduce(flag)
         if flag.item() != 0:
             break
+    dist.barrier()
     if env_.rank == 0:
+        # After the loads: a write of this size just before them would still be on its way
+        # out of the host's cache while they read.
+        probe = run_dir / "dd.bin"
+        dd_write = dd_write_file(probe, nbytes)
         probe.unlink()
         (run_dir / "bench.json").write_text(json.dumps(
             {"save_s": t_save, "bytes": nbytes, "restored": flag.item() == 0, "reps": reps,
@@ -213,9 +228,9 @@ def worker(run_dir: Path) -> None:
     dist.destroy_process_group()
 
 
-def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
+def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
                 rank: int) -> dict[str, float]:
-    """One cold resume: rank 0 reads the ``dd`` probe (direct I/O) and evicts the checkpoint's
+    """One cold resume: rank 0 reads the checkpoint with ``dd`` (direct I/O) and evicts its
     pages; the weights are scribbled over; then the manager's resume and load, timed."""
     import gc
 
@@ -224,14 +239,14 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
 
     gc.collect()  # no tensor of an earlier load may keep the checkpoint's pages mapped
     dist.barrier()
-    dd_read = dd_read_fresh(probe) if rank == 0 else 0.0
+    dd_read = dd_read_files(root) if rank == 0 else 0.0
     if rank == 0:
         evict(root)
     for p in params():  # scribble over the weights: the load must bring them back
         with torch.no_grad():
             (p.to_local() if hasattr(p, "to_local") else p).data.add_(1.0)
     with torch.no_grad():
-        for t in getattr(engine, "load_targets", list)():
+        for t in replaced_state(engine):
             t.add_(1.0)
     dist.barrier()
     # The trainer's resume: the manager's resume (rank 0's structural choice, then every rank
@@ -244,7 +259,7 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path, probe: Path,
     dist.barrier()
     load_s = time.perf_counter() - t0
     # And right after: a load between two dd reads that disagree met a change of the disk.
-    dd_after = dd_read_fresh(probe) if rank == 0 else 0.0
+    dd_after = dd_read_files(root) if rank == 0 else 0.0
     return {"load_s": load_s, "verify_s": verify_s, "dd_read": dd_read, "dd_after": dd_after}
 
 
@@ -266,24 +281,20 @@ def dd_write_file(path: Path, nbytes: int) -> float:
     return _dd(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"], count)
 
 
-def dd_read_fresh(probe: Path) -> float:
-    """MB/s of ``dd`` reading a copy of ``probe`` written just before (direct I/O), so that it is
-    a first read, as the checkpoint's is (reading one file twice in a row, the second read ran
-    at 3.9-4.0 GB/s against the first's 1.7). Even so dd reads at one of two rates on the
-    development VM, 1.6-1.8 or 3.8-4.3 GB/s, while the loads read at 1.5-2.0: the dd just after
-    each load shows which the load met."""
-    fresh = probe.with_name(probe.name + ".fresh")
-    dd_write_file(fresh, probe.stat().st_size)
-    try:
-        return dd_read_file(fresh)
-    finally:
-        fresh.unlink()
-
-
-def dd_read_file(path: Path) -> float:
-    """MB/s of ``dd`` reading ``path`` with direct I/O (never through the page cache)."""
-    return _dd([f"if={path}", "of=/dev/null", "iflag=direct"],
-               max(1, path.stat().st_size // DD_BS))
+def dd_read_files(root: Path) -> float:
+    """MB/s of ``dd`` reading the files of at least 1 MiB under ``root`` one after the other
+    (direct I/O, never through the page cache): the checkpoint's own bytes, in one stream."""
+    files = sorted(f for f in root.rglob("*") if f.is_file() and f.stat().st_size >= 2**20)
+    total, seconds = 0, 0.0
+    for f in files:
+        t0 = time.perf_counter()
+        res = subprocess.run(["dd", f"if={f}", "of=/dev/null", "iflag=direct", f"bs={DD_BS}"],
+                             capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - t0
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", res.stderr)
+        total += int(m.group(1)) if m else f.stat().st_size
+        seconds += float(m.group(2)) if m else wall
+    return total / seconds / 1e6
 
 
 def main() -> None:

@@ -58,10 +58,13 @@ class CheckpointManager:
         self.world_size = world_size
         self._verified: Any = None  # what resume's verification kept for load
         self._skipped: set[Path] = set()  # checkpoints found damaged by this resume
-        self._reuse: Callable[[], list[Any]] | None = None
+        self._reuse: Callable[[], Any] | None = None
         self.loaded: Path | None = None
         """The checkpoint the last :meth:`load` restored (an older one than asked, if that one
         turned out damaged)."""
+        self.read_into_engine = 0
+        """How many of the engine's tensors that load read straight into (its ``reuse``
+        targets, :mod:`pipeline.checkpoint_reuse`), not into fresh memory."""
 
     @classmethod
     def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
@@ -72,7 +75,7 @@ class CheckpointManager:
                    zero_stage=run.train.zero_stage, rank=rank, world_size=world_size,
                    background=run.train.checkpoint_async)
 
-    def resume(self, reuse: Callable[[], list[Any]] | None = None) -> Path | None:
+    def resume(self, reuse: Callable[[], Any] | None = None) -> Path | None:
         """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
         folders, chooses with :func:`resume_point` (structure, config and data only) and
         broadcasts its choice; every rank then verifies its share and the ranks agree
@@ -81,8 +84,9 @@ class CheckpointManager:
         by block as they are read, :meth:`load`). A checkpoint that fails is skipped for the
         next older one, with a warning. The verified bytes wait for :meth:`load`.
 
-        ``reuse`` (the engine's ``load_targets``): its state tensors that what it will load may
-        be read into instead of fresh memory (:mod:`pipeline.checkpoint_reuse`)."""
+        ``reuse`` (the engine's ``load_targets``): the engine's tensors, by their place in what
+        it will load, that the load may be read into instead of fresh memory
+        (:mod:`pipeline.checkpoint_reuse`)."""
         if self.rank == 0:
             clean_tmp(self.root)
         self._skipped = set()
@@ -163,11 +167,13 @@ class CheckpointManager:
         elif verified is not None:
             extra["verified"] = verified
         state = TrainerState.read(path / CKPT_TRAINER)
+        targets = getattr(verified, "targets", None) if "verified" in extra else None
         try:
             engine.load(path, {"scheduler": state.scheduler, **extra})
         finally:
             if verified is not None:
                 verified.release()
+        self.read_into_engine = 0 if targets is None else targets.claimed
         loader.load_state_dict(state.loader)
         if saved_world == self.world_size:
             load_rng(path, self.rank)

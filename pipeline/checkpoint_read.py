@@ -74,6 +74,7 @@ THROUGH_PAGE_CACHE = False
 _DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
 _RNG = re.compile(r"^rng/rank-(\d+)\.pt$")
 _DS_ZERO = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+_DS_PARTITION = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 _DS_MODEL = re.compile(r"(?:^|/)mp_rank_(\d+)_model_states\.pt$")
 #: Small files every rank reads itself (DCP's index; the trainer state).
 _EVERY_RANK = frozenset({"dcp/.metadata", "trainer.json"})
@@ -181,9 +182,9 @@ class VerifiedFiles:
     loaded: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed optimizer partitions already deserialized while they were verified (one read of
     the disk; :func:`verify_local`), for the engine's load to take."""
-    pool: Any = None
-    """The :class:`~pipeline.checkpoint_reuse.StoragePool` of the engine's current optimizer
-    state that the partitions are deserialized into (or None: fresh memory)."""
+    targets: Any = None
+    """The engine's :class:`~pipeline.checkpoint_reuse.LoadTargets` that this rank's partition
+    is deserialized into (or None: fresh memory)."""
     windows: Windows = field(default_factory=Windows)
 
     def _rel(self, path: str | os.PathLike) -> str | None:
@@ -254,6 +255,15 @@ class VerifiedFiles:
             if view is None and _DS_MODEL.search(Path(path).name):
                 return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
             with self.open(path) as f:
+                if (rel in self.digests and _DS_PARTITION.search(rel)
+                        and self.targets is not None and not self.targets.used
+                        and str(map_location or "cpu") == "cpu"):
+                    # A partition read now (small, or without block checksums): into the
+                    # engine's tensors too.
+                    from pipeline.checkpoint_reuse import load_reusing
+
+                    return load_reusing(f, self.digests[rel][0], str(path), classes,
+                                        self.targets)
                 return load_ds_stream(f, Path(path), classes, map_location)
 
         return load
@@ -263,8 +273,8 @@ class VerifiedFiles:
         engine loaded them, or instead: then the engine's state memory that a partition was
         read into is zeroed again)."""
         self.data.clear()
-        if self.loaded and self.pool is not None:
-            self.pool.wipe()
+        if self.loaded and self.targets is not None:
+            self.targets.restore()
         self.loaded.clear()
         self.windows.close()
 
@@ -373,9 +383,9 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
             try:
                 classes = ds_classes(f, path / rel)
                 f.seek(0)
-                if out.pool is not None:
+                if out.targets is not None:
                     loaded = load_reusing(f, out.digests[rel][0], str(path / rel), classes,
-                                          out.pool)
+                                          out.targets)
                 else:
                     loaded = load_ds_stream(f, path / rel, classes, "cpu")
                 out.loaded[rel] = loaded
@@ -386,8 +396,8 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
         why, refused, damage = f"{rel} could not be read ({err.strerror or err})", False, None
     if why is not None or damage is not None:
         out.loaded.clear()  # the checkpoint is not loaded: the engine's memory as it was
-        if out.pool is not None:
-            out.pool.wipe()
+        if out.targets is not None:
+            out.targets.restore()
     if damage is not None:
         return f"{rel}: {str(damage).split(': ', 1)[-1]}", False
     return why, why is not None and refused
@@ -453,7 +463,7 @@ def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
 
 
 def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
-                 once: frozenset[str] = frozenset(), pool: Any = None,
+                 once: frozenset[str] = frozenset(), targets: Any = None,
                  parts: dict[str, tuple[int, int]] | None = None
                  ) -> tuple[VerifiedFiles, str | None, bool]:
     """Check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept). Those in
@@ -466,7 +476,7 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
     out = VerifiedFiles(path, digests={rel: (info["bytes"], info.get(DIGEST))
                                        for rel, info in files.items()})
     out.blocks = {rel: b for rel, info in files.items() if (b := usable_blocks(info))}
-    out.pool = pool
+    out.targets = targets
     parts = parts or {}
     for rel, (lo, hi) in sorted(parts.items()):
         why, refused = _check_part(path, rel, lo, hi, out)
@@ -485,13 +495,13 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
 
 
 def verify_collective(path: Path, rank: int, world: int,
-                      reuse: Callable[[], list[Any]] | None = None
+                      reuse: Callable[[], Any] | None = None
                       ) -> tuple[VerifiedFiles, str | None]:
     """Collective: every rank verifies its share of ``path`` (:func:`assign`), then all ranks
     exchange their verdicts; every rank returns the same first failure (with the rank that
     found it), or None with the bytes it kept. ``path`` passed rank 0's structural check.
-    ``reuse``: the engine's state tensors that a DeepSpeed partition may be deserialized into
-    (:mod:`pipeline.checkpoint_reuse`).
+    ``reuse``: the engine's :class:`~pipeline.checkpoint_reuse.LoadTargets`, the tensors that
+    its DeepSpeed partition may be deserialized into (same world size only).
 
     A refusal (:func:`verify_local`) is raised on every rank as the same
     :class:`~pipeline.errors.PipelineError`: a tampered checkpoint stops the run, as the
@@ -516,13 +526,14 @@ def verify_collective(path: Path, rank: int, world: int,
         who = claims(files, world, meta.get("world_size"))
         once = frozenset(rel for rel in mine[rank]
                          if read_once(rel, files[rel], who.get(rel, []), rank))
-        pool = None
-        if reuse is not None and any(_DS_ZERO.search(rel) for rel in once):
-            from pipeline.checkpoint_reuse import StoragePool
-
-            pool = StoragePool(reuse())
+        # The engine's tensors are named by their place in its own partition's file: only a
+        # resume at the world size it was saved with reads that file.
+        targets = None
+        if (reuse is not None and meta.get("world_size") == world
+                and any(_DS_PARTITION.search(rel) for rel in files)):
+            targets = reuse()
         parts = split_shared(files, who, rank)
-        cache, why, refused = verify_local(path, files, mine[rank], once, pool, parts)
+        cache, why, refused = verify_local(path, files, mine[rank], once, targets, parts)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

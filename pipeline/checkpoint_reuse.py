@@ -1,18 +1,27 @@
-"""Deserializing a ``torch.save`` file into memory the process already has.
+"""Deserializing a ``torch.save`` file into memory the engine already has, by role.
 
-A resume's DeepSpeed optimizer partition holds Adam's moments, which ``torch.optim``'s
-``load_state_dict`` keeps as its state (it replaces the state the engine built at start-up,
-tensors of the same dtypes and sizes). ``torch.load`` puts them in fresh memory, whose first
-touch costs a page fault per page (a host fault on VMs that hand free memory back; measured on
-the development VM: two ranks loading 800 MB partitions at a third of the disk's rate). Here the
-file is deserialized by torch's ``weights_only`` unpickler, as ``torch.load(weights_only=True)``
-does, but each storage whose dtype and size match a tensor of that old state is read into that
-tensor's memory (:class:`StoragePool`); the rest get fresh memory. The old state's tensors are
-dropped by the engine's load right after; if the load is abandoned (a rank found damage), the
-borrowed memory is zeroed (:meth:`StoragePool.wipe`), as the engine left it.
+A resume's DeepSpeed optimizer partition holds the fp32 master partition and Adam's moments.
+The engine replaces them all: ``torch.optim``'s ``load_state_dict`` keeps the loaded moments as
+its state, and DeepSpeed copies the loaded master partition into its own. ``torch.load`` puts
+them in fresh memory, whose first touch costs a page fault per page (a host fault on VMs that
+hand free memory back; measured on the development VM, two ranks loading 800 MB partitions: the
+reads that landed in fresh memory took 270-540 ms per 16 MB, against 30-60 ms otherwise). Here
+the file is deserialized by torch's ``weights_only`` unpickler, as
+``torch.load(weights_only=True)`` does, but in two steps: the pickle first, with storages that
+are only reserved (no page is touched), then the storages' bytes, each read straight into the
+engine's tensor that holds the same thing (:class:`LoadTargets`: the engine names its tensors by
+their place in the loaded object, e.g. ``("optimizer_state_dict",
+"single_partition_of_fp32_groups", 0)``), or into the reserved memory where none does. A
+tensor read into the engine's own master partition *is* that partition, so DeepSpeed's copy of
+it is skipped (``copy_`` between views of the same data does nothing).
 
-Both of ``torch.save``'s formats: the zip one (records read where the pickle names them) and the
-legacy one DeepSpeed writes by default (the storages' bytes after the pickles, in order).
+Matching by role, not by size: the master partition and the two moments have one size, and a
+moment read into the master's memory would be overwritten by DeepSpeed's copy of the master.
+If the load is abandoned (a rank found damage), the engine's memory is put back as it was at
+start-up (:meth:`LoadTargets.restore`).
+
+Both of ``torch.save``'s formats: the zip one (records read in file order after the pickle) and
+the legacy one DeepSpeed writes by default (the storages' bytes after the pickles, in order).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from __future__ import annotations
 import io
 import pickle
 import zipfile
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,56 +47,64 @@ from pipeline.errors import PipelineError
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
+Path_ = tuple[Hashable, ...]
 
-class StoragePool:
-    """Storages that a load may fill instead of allocating, by (dtype, bytes): the CPU tensors
-    given that own their whole storage, of at least :data:`MIN_BYTES`."""
 
-    #: Smaller tensors are not worth it (the point is the large moments).
-    MIN_BYTES = 1 << 20
+@dataclass
+class LoadTargets:
+    """The engine's tensors that a load replaces, by their place in the loaded object (dict keys
+    and list indices from its root), and ``undo``: puts the engine's start-up values back in
+    them (the load was abandoned after reading into some). Each is read into at most once."""
 
-    def __init__(self, tensors: list[torch.Tensor] | None = None) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self.borrowed: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for t in tensors or []:
-            nbytes = t.numel() * t.element_size()
-            if (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
-                    and t.untyped_storage().nbytes() == nbytes and nbytes >= self.MIN_BYTES
-                    and t.data_ptr() not in seen):
-                seen.add(t.data_ptr())
-                self._free.setdefault((t.dtype, t.untyped_storage().nbytes()), []).append(t)
+    tensors: dict[Path_, torch.Tensor]
+    undo: Callable[[], None]
+    used: bool = False
+    claimed: int = 0
+    """How many of them a load has read into (the trainer's ``load`` event reports it)."""
 
-    def take(self, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage | None:
-        found = self._free.get((dtype, nbytes))
-        if not found:
+    def claim(self, path: Path_, like: torch.Tensor) -> torch.Tensor | None:
+        """The engine's tensor at ``path`` if the storage of ``like`` (a loaded tensor) can be
+        read into its storage: both CPU, one dtype, storages of one size, and ``like`` the
+        same view of its storage as the engine's tensor is of its own (DeepSpeed saves its
+        unpadded master partition as a view of the padded one). It is no longer offered."""
+        t = self.tensors.get(path)
+        if (t is None or t.device.type != "cpu" or t.dtype != like.dtype
+                or t.untyped_storage().nbytes() != like.untyped_storage().nbytes()
+                or t.storage_offset() != like.storage_offset() or t.shape != like.shape
+                or t.stride() != like.stride()):
             return None
-        t = found.pop()
-        self.borrowed.append(t)
-        return t.untyped_storage()
+        del self.tensors[path]
+        self.used = True
+        self.claimed += 1
+        return t
 
-    def wipe(self) -> None:
-        """Zero what was filled (a load that was abandoned leaves the state as it found it)."""
-        with torch.no_grad():
-            for t in self.borrowed:
-                t.zero_()
-        self.borrowed.clear()
+    def restore(self) -> None:
+        """Undo the reads into the engine's memory (if any): the load was abandoned."""
+        if self.used:
+            with torch.no_grad():
+                self.undo()
+            self.used = False
 
 
 class _Loader:
-    """One file's deserialization: storages from the pool or fresh, filled by ``fill``."""
+    """One file's deserialization: storages reserved during the unpickle (untouched memory),
+    then each bound to an engine tensor or kept, then filled."""
 
-    def __init__(self, pool: StoragePool) -> None:
-        self.pool = pool
+    def __init__(self) -> None:
         self.storages: dict[str, torch.storage.TypedStorage] = {}
+        self.into: dict[str, torch.Tensor] = {}  # storage key -> engine tensor it is read into
 
     def storage(self, dtype: torch.dtype, key: str, numel: int) -> torch.storage.TypedStorage:
         if key not in self.storages:
             nbytes = int(numel) * torch._utils._element_size(dtype)
-            raw = self.pool.take(dtype, nbytes) or torch.UntypedStorage(nbytes)
-            self.storages[key] = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype,
-                                                            _internal=True)
+            self.storages[key] = torch.storage.TypedStorage(
+                wrap_storage=torch.UntypedStorage(nbytes), dtype=dtype, _internal=True)
         return self.storages[key]
+
+    def memory(self, key: str) -> memoryview:
+        t = self.into.get(key)
+        raw = t.untyped_storage() if t is not None else self.storages[key]._untyped_storage
+        return memory_of(raw.data_ptr(), raw.nbytes())
 
     def unpickle(self, f: Any, persistent: Any) -> Any:
         from torch import _weights_only_unpickler as wo
@@ -94,8 +113,66 @@ class _Loader:
         up.persistent_load = persistent  # type: ignore[method-assign]
         return up.load()
 
+    def bind(self, result: Any, targets: LoadTargets | None) -> Any:
+        """Bind the storages of the tensors at the targets' paths to the engine's tensors, and
+        return ``result`` with every tensor on such a storage replaced by the engine's tensor
+        (or a view of it)."""
+        if targets is None:
+            return result
+        key_of = {s._untyped_storage.data_ptr(): k for k, s in self.storages.items()}
+        for path in list(targets.tensors):
+            t = _at(result, path)
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = key_of.get(t.untyped_storage().data_ptr())
+            if key is None or key in self.into:
+                continue
+            mine = targets.claim(path, t)
+            if mine is not None:
+                self.into[key] = mine
+        if not self.into:
+            return result
+        bound = {self.storages[k]._untyped_storage.data_ptr(): t for k, t in self.into.items()}
+        return _rebind(result, bound)
 
-def _load_legacy(f: Any, name: str, loader: _Loader) -> Any:
+
+def _at(obj: Any, path: Path_) -> Any:
+    for step in path:
+        if isinstance(obj, dict):
+            obj = obj.get(step)
+        elif isinstance(obj, (list, tuple)) and isinstance(step, int) and -len(obj) <= step < len(obj):
+            obj = obj[step]
+        else:
+            return None
+    return obj
+
+
+def _rebind(obj: Any, bound: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each tensor whose storage is a key of ``bound`` replaced by the same view of
+    that engine tensor's storage (the engine's tensor itself where the views are the same)."""
+    if isinstance(obj, torch.Tensor):
+        mine = bound.get(obj.untyped_storage().data_ptr())
+        if mine is None:
+            return obj
+        if (obj.storage_offset() == mine.storage_offset() and obj.shape == mine.shape
+                and obj.stride() == mine.stride()):
+            return mine
+        return torch.empty(0, dtype=obj.dtype).set_(mine.untyped_storage(),
+                                                     obj.storage_offset(), obj.size(),
+                                                     obj.stride())
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _rebind(v, bound)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [_rebind(v, bound) for v in obj]
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_rebind(v, bound) for v in obj)
+    return obj
+
+
+def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None) -> Any:
     from torch import _weights_only_unpickler as wo
 
     if wo.load(f, encoding="utf-8") != _LEGACY_MAGIC:
@@ -110,21 +187,21 @@ def _load_legacy(f: Any, name: str, loader: _Loader) -> Any:
         _, storage_type, key, _location, numel, _ = saved_id
         return loader.storage(storage_dtype(storage_type), str(key), numel)
 
-    result = loader.unpickle(f, persistent)
+    result = loader.bind(loader.unpickle(f, persistent), targets)
     for key in wo.load(f, encoding="utf-8"):
         s = loader.storages.get(str(key))
         if s is None:
             raise PipelineError(f"{name}: storage {key!r} is not named by the pickle")
-        raw = s._untyped_storage
         head = f.read(8)
         numel = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if numel * torch._utils._element_size(s.dtype) != raw.nbytes():
+        if numel * torch._utils._element_size(s.dtype) != s._untyped_storage.nbytes():
             raise PipelineError(f"{name}: storage {key!r} does not have the size its pickle says")
-        readinto_exact(f, memory_of(raw.data_ptr(), raw.nbytes()), name)
+        readinto_exact(f, loader.memory(str(key)), name)
     return result
 
 
-def _load_zip(f: Any, size: int, name: str, loader: _Loader) -> Any:
+def _load_zip(f: Any, size: int, name: str, loader: _Loader,
+              targets: LoadTargets | None) -> Any:
     whole = Slice(f, 0, size)
     infos = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(whole).infolist()}
     pkl = infos.get("data.pkl")
@@ -138,32 +215,35 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
             raise pickle.UnpicklingError("unexpected persistent id")
         _, storage_type, key, _location, numel = saved_id
-        fresh = str(key) not in loader.storages
-        s = loader.storage(storage_dtype(storage_type), str(key), numel)
-        if fresh:
-            info = infos.get(f"data/{key}")
-            rec = zip_record(whole, info) if info is not None else None
-            if rec is None or rec[1] != s._untyped_storage.nbytes():
-                raise PipelineError(f"{name}: storage {key!r} is missing or not its size")
-            whole.seek(rec[0])
-            raw = s._untyped_storage
-            readinto_exact(whole, memory_of(raw.data_ptr(), raw.nbytes()), name)
-        return s
+        return loader.storage(storage_dtype(storage_type), str(key), numel)
 
-    return loader.unpickle(io.BytesIO(pickled), persistent)
+    result = loader.bind(loader.unpickle(io.BytesIO(pickled), persistent), targets)
+    records = []
+    for key, s in loader.storages.items():
+        info = infos.get(f"data/{key}")
+        rec = zip_record(whole, info) if info is not None else None
+        if rec is None or rec[1] != s._untyped_storage.nbytes():
+            raise PipelineError(f"{name}: storage {key!r} is missing or not its size")
+        records.append((rec[0], key))
+    for offset, key in sorted(records):  # in file order: the stream reads ahead
+        whole.seek(offset)
+        readinto_exact(whole, loader.memory(key), name)
+    return result
 
 
-def load_reusing(f: Any, size: int, name: str, classes: list[Any], pool: StoragePool) -> Any:
-    """``torch.load(f, weights_only=True)`` with ``classes`` allowed too, on the CPU, filling
-    storages from ``pool`` where dtype and size match (``f``: seekable, ``size`` bytes)."""
+def load_reusing(f: Any, size: int, name: str, classes: list[Any],
+                 targets: LoadTargets | None) -> Any:
+    """``torch.load(f, weights_only=True)`` with ``classes`` allowed too, on the CPU, reading
+    the storage of each tensor found at a path of ``targets`` into that engine tensor's memory
+    (``f``: seekable, ``size`` bytes). On a failure the caller calls ``targets.restore()``."""
     start = f.read(4)
     f.seek(0)
-    loader = _Loader(pool)
+    loader = _Loader()
     try:
         with torch.serialization.safe_globals(classes):
             if start == b"PK\x03\x04":
-                return _load_zip(f, size, name, loader)
-            return _load_legacy(f, name, loader)
+                return _load_zip(f, size, name, loader, targets)
+            return _load_legacy(f, name, loader, targets)
     except pickle.UnpicklingError as err:
         raise PipelineError(f"{name}: refused to unpickle ({str(err).splitlines()[0]})") from None
     except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as err:

@@ -1,6 +1,6 @@
 """pipeline.checkpoint_reuse: a torch file deserialized as ``torch.load(weights_only=True)``
-would, with its large storages read into memory the process already has (the optimizer's
-state, replaced by the load anyway), in both of torch.save's formats."""
+would, with the storages of the tensors at the engine's paths read into the engine's own
+tensors (the state the load replaces anyway), in both of torch.save's formats."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint_reuse import StoragePool, load_reusing
+from pipeline.checkpoint_reuse import LoadTargets, load_reusing
 from pipeline.errors import PipelineError
 
-N = 300_000  # 1.2 MB of float32: above StoragePool.MIN_BYTES
+N = 300_000
+
+
+def _targets(tensors: dict) -> tuple[LoadTargets, list]:
+    undone: list = []
+    return LoadTargets(dict(tensors), lambda: undone.append(True)), undone
 
 
 def _state() -> dict:
@@ -33,12 +38,15 @@ def _saved(obj: object, zipfile: bool) -> tuple[io.BytesIO, int]:
 
 
 @pytest.mark.parametrize("zipfile", [False, True], ids=["legacy", "zip"])
-def test_the_same_objects_as_torch_load_in_the_memory_given(zipfile: bool) -> None:
+def test_the_same_objects_as_torch_load_in_the_engines_tensors(zipfile: bool) -> None:
     f, size = _saved(_state(), zipfile)
     ref = torch.load(io.BytesIO(f.getvalue()), weights_only=True)
-    old = [torch.zeros(N), torch.zeros(N), torch.zeros(7)]  # the last: too small to reuse
-    pool = StoragePool(old)
-    got = load_reusing(f, size, "part.pt", [], pool)
+    m, v, master = torch.zeros(N), torch.zeros(N), torch.zeros(N)
+    wrong = torch.zeros(9)  # bf16 in the file: a float32 tensor there is not read into
+    targets, undone = _targets({
+        ("base", "state", 0, "exp_avg"): m, ("base", "state", 0, "exp_avg_sq"): v,
+        ("fp32", 0): master, ("bf16",): wrong, ("absent", 3): torch.zeros(N)})
+    got = load_reusing(f, size, "part.pt", [], targets)
     st, rs = got["base"]["state"][0], ref["base"]["state"][0]
     for a, b in [(st["exp_avg"], rs["exp_avg"]), (st["exp_avg_sq"], rs["exp_avg_sq"]),
                  (st["step"], rs["step"]), (got["fp32"][0], ref["fp32"][0]),
@@ -47,12 +55,32 @@ def test_the_same_objects_as_torch_load_in_the_memory_given(zipfile: bool) -> No
     assert got["base"]["param_groups"] == ref["base"]["param_groups"] and got["n"] == 5
     # A storage two tensors share is still one storage.
     assert got["shared"][1].untyped_storage().data_ptr() == got["shared"][0].untyped_storage().data_ptr()
-    # Two of the three equal-sized storages landed in the old tensors' memory, the third in
-    # fresh memory; the small old tensor was left alone.
-    ptrs = {t.data_ptr() for t in (st["exp_avg"], st["exp_avg_sq"], got["fp32"][0])}
-    assert len(ptrs & {old[0].data_ptr(), old[1].data_ptr()}) == 2 and len(pool.borrowed) == 2
-    pool.wipe()  # an abandoned load: the borrowed memory is zeroed again
-    assert not old[0].any() and not old[1].any()
+    # Each of the three equal-sized storages is in the engine tensor of its role: the moments
+    # are the engine's tensors, the master too (DeepSpeed's copy of it does nothing).
+    assert st["exp_avg"] is m and st["exp_avg_sq"] is v and got["fp32"][0] is master
+    assert torch.equal(m, rs["exp_avg"]) and torch.equal(master, ref["fp32"][0])
+    assert not wrong.any() and targets.claimed == 3 and set(targets.tensors) == {
+        ("bf16",), ("absent", 3)}
+    targets.restore()  # an abandoned load: the engine's undo runs (once)
+    targets.restore()
+    assert undone == [True]
+
+
+def test_a_view_of_the_engines_storage_is_read_in_place() -> None:
+    """A tensor saved as a view of a larger storage (DeepSpeed's unpadded master partition)
+    is read into the engine tensor that is the same view of a storage of that size."""
+    flat = torch.arange(float(N))
+    f, size = _saved({"masters": [flat[: N - 8]], "other": flat[N - 8:]}, False)
+    mine = torch.zeros(N)
+    targets, _ = _targets({("masters", 0): mine[: N - 8]})
+    got = load_reusing(f, size, "p.pt", [], targets)
+    assert torch.equal(mine, flat) and targets.claimed == 1
+    assert got["masters"][0].untyped_storage().data_ptr() == mine.data_ptr()
+    assert got["other"].data_ptr() == mine.data_ptr() + (N - 8) * 4  # shares that storage
+    # A target of another shape is not read into.
+    targets, _ = _targets({("masters", 0): torch.zeros(N - 9)})
+    load_reusing(io.BytesIO(f.getvalue()), size, "p.pt", [], targets)
+    assert targets.claimed == 0
 
 
 class _Evil:
@@ -64,11 +92,11 @@ class _Evil:
 def test_what_torch_load_refuses_is_refused(zipfile: bool) -> None:
     f, size = _saved({"x": _Evil()}, zipfile)
     with pytest.raises(PipelineError, match="refused to unpickle"):
-        load_reusing(f, size, "evil.pt", [], StoragePool())
+        load_reusing(f, size, "evil.pt", [], None)
     f, size = _saved(_state(), zipfile)
     cut = io.BytesIO(f.getvalue()[:size - 1000])
     with pytest.raises(PipelineError, match=r"cut\.pt"):
-        load_reusing(cut, size - 1000, "cut.pt", [], StoragePool())
+        load_reusing(cut, size - 1000, "cut.pt", [], None)
 
 
 def _partition(root: Path, step: int) -> Path:
@@ -99,22 +127,27 @@ def test_a_partition_is_verified_block_by_block_into_the_engines_memory(tmp_path
     files = read_json(path / "manifest.json")["files"]
     assert cr.read_once(rel, files[rel], [0], 0)  # block checksums: read once, by its rank
     ref = torch.load(path / rel, weights_only=True)
-    old = [torch.zeros(1_500_000), torch.zeros(1_500_000)]  # the engine's current moments
-    out, why, refused = cr.verify_local(path, files, [rel], frozenset({rel}), StoragePool(old))
+    old = [torch.zeros(1_500_000) for _ in range(3)]  # the engine's moments and master
+    paths = [("base_optimizer_state", "state", 0, "exp_avg"),
+             ("base_optimizer_state", "state", 0, "exp_avg_sq"),
+             ("single_partition_of_fp32_groups", 0)]
+    out, why, refused = cr.verify_local(path, files, [rel], frozenset({rel}),
+                                        _targets(dict(zip(paths, old, strict=True)))[0])
     assert (why, refused) == (None, False)
     got = out.ds_loader()(path / rel, map_location="cpu")
     moments = got["base_optimizer_state"]["state"][0]
     assert torch.equal(moments["exp_avg"], ref["base_optimizer_state"]["state"][0]["exp_avg"])
-    assert {moments["exp_avg"].data_ptr(), moments["exp_avg_sq"].data_ptr()} <= {
-        t.data_ptr() for t in old} | {got["single_partition_of_fp32_groups"][0].data_ptr()}
+    mine = [moments["exp_avg"], moments["exp_avg_sq"], got["single_partition_of_fp32_groups"][0]]
+    assert all(a is b for a, b in zip(mine, old, strict=True))  # the engine's own tensors
     out.release()
     # One flipped byte in the 3rd block: the verdict names it, nothing is handed to the
     # engine, and the engine's memory that was read into is zeroed again.
     data = bytearray((path / rel).read_bytes())
     data[(8 << 20) + 5] ^= 1
     (path / rel).write_bytes(bytes(data))
-    old = [torch.ones(1_500_000), torch.ones(1_500_000)]
-    out, why, refused = cr.verify_local(path, files, [rel], frozenset({rel}), StoragePool(old))
+    old = [torch.ones(1_500_000) for _ in range(3)]
+    targets = LoadTargets(dict(zip(paths, old, strict=True)), lambda: [t.fill_(7.0) for t in old])
+    out, why, refused = cr.verify_local(path, files, [rel], frozenset({rel}), targets)
     assert why is not None and "bytes 8388608-12582912 do not match" in why and not refused
-    assert not out.loaded and not any(t.any() for t in old)  # they were ones
+    assert not out.loaded and all(bool((t == 7.0).all()) for t in old)  # undone
     out.release()

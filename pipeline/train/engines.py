@@ -311,15 +311,43 @@ class DeepSpeedEngine:
             del ce.save  # back to the class's method
         return {}, self._writer.start(ckpt)
 
-    def load_targets(self) -> list[torch.Tensor]:
-        """The optimizer's state tensors (Adam's moments), which a load replaces wholesale
-        (``torch.optim``'s ``load_state_dict``): a resume may read the checkpoint's into their
-        memory instead of fresh memory (``pipeline.checkpoint_reuse``)."""
+    def load_targets(self) -> Any:
+        """What a resume may read this rank's optimizer partition into instead of fresh memory
+        (ZeRO 1-2, :class:`~pipeline.checkpoint_reuse.LoadTargets`; None otherwise): the fp32
+        master partitions and Adam's moments, which the load replaces, by their place in the
+        partition's file (``optimizer_state_dict`` of DeepSpeed's ``_save_zero_checkpoint``;
+        the base optimizer's state as ``torch.optim``'s ``state_dict`` numbers it). Its undo
+        puts back the start-up values: the masters from the module's weights, as DeepSpeed
+        builds them, and zero moments."""
+        import torch.distributed as dist
+
+        from pipeline.checkpoint_reuse import LoadTargets
+
         opt = self.engine.optimizer
-        inner = getattr(opt, "optimizer", opt)
-        state = getattr(inner, "state", None) or {}
-        return [v for per_param in state.values() if isinstance(per_param, dict)
-                for v in per_param.values() if isinstance(v, torch.Tensor)]
+        masters = getattr(opt, "single_partition_of_fp32_groups", None)
+        inner = getattr(opt, "optimizer", None)
+        if masters is None or inner is None or getattr(opt, "elastic_checkpoint", True):
+            return None  # an elastic checkpoint keeps the moments per group, unpadded
+        root = ("optimizer_state_dict",)
+        tensors = {(*root, "single_partition_of_fp32_groups", i): t for i, t in enumerate(masters)}
+        moments = []
+        index = 0
+        for group in inner.param_groups:
+            for p in group["params"]:
+                for key, v in inner.state.get(p, {}).items():
+                    if key != "step" and isinstance(v, torch.Tensor):
+                        tensors[(*root, "base_optimizer_state", "state", index, key)] = v
+                        moments.append(v)
+                index += 1
+
+        def undo() -> None:
+            for i, t in enumerate(masters):
+                rank = dist.get_rank(group=opt.real_dp_process_group[i])
+                t.copy_(opt.parallel_partitioned_bit16_groups[i][rank])
+            for v in moments:
+                v.zero_()
+
+        return LoadTargets(tensors, undo)
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
