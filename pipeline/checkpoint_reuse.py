@@ -1,7 +1,8 @@
 """Deserializing a ``torch.save`` file into memory the engine already has, by role.
 
 A resume's DeepSpeed optimizer partition holds the fp32 master partition and Adam's moments.
-The engine replaces them all: ``torch.optim``'s ``load_state_dict`` keeps the loaded moments as
+The engine replaces them all (a fresh engine has masters but no moments yet: ``torch.optim``
+makes them at the first step, so a requeued job's resume reads its moments into fresh memory): ``torch.optim``'s ``load_state_dict`` keeps the loaded moments as
 its state, and DeepSpeed copies the loaded master partition into its own. ``torch.load`` puts
 them in fresh memory, whose first touch costs a page fault per page (a host fault on VMs that
 hand free memory back; measured on the development VM, two ranks loading 800 MB partitions: the
