@@ -181,8 +181,7 @@ def worker(run_dir: Path) -> None:
 
     # What the load must bring back: the weights and (deepspeed: read into the memory of the
     # state it replaces, pipeline.checkpoint_reuse) the fp32 masters and Adam's moments.
-    moments = lambda: replaced_state(engine)  # noqa: E731
-    before = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
+    before = [local(p) for p in params()] + [t.detach().clone() for t in replaced_state(engine)]
     root = run_dir / "checkpoints"
     state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
     # Where the save's time goes: the engine's files, then rank 0's manifest (checksums).
@@ -213,7 +212,8 @@ def worker(run_dir: Path) -> None:
     reps = []
     for _ in range(int(os.environ.get("BENCH_REPS", "1"))):
         reps.append(_timed_load(manager, engine, params, root, env_.rank))
-        after = [local(p) for p in params()] + [t.detach().clone() for t in moments()]
+        after = [local(p) for p in params()] + [t.detach().clone()
+                                                for t in replaced_state(engine)]
         same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         flag = torch.tensor([0.0 if same else 1.0])
         dist.all_reduce(flag)
@@ -275,35 +275,30 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
 DD_BS = 4 * 2**20
 
 
-def _dd(args: list[str], count: int) -> float:
+def _dd(args: list[str], count: int | None = None) -> tuple[int, float]:
+    """Run ``dd`` (``bs=DD_BS``, ``count`` blocks or to the end): (bytes copied, seconds), as
+    it reports them."""
     t0 = time.perf_counter()
-    res = subprocess.run(["dd", *args, f"bs={DD_BS}", f"count={count}"], capture_output=True,
-                         text=True, check=True)
+    res = subprocess.run(["dd", *args, f"bs={DD_BS}", *([f"count={count}"] if count else [])],
+                         capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
     m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", res.stderr)
-    return int(m.group(1)) / float(m.group(2)) / 1e6 if m else count * DD_BS / wall / 1e6
+    return (int(m.group(1)), float(m.group(2))) if m else ((count or 0) * DD_BS, wall)
 
 
 def dd_write_file(path: Path, nbytes: int) -> float:
     """MB/s of ``dd`` writing ``path`` (``nbytes``, direct I/O, fsync)."""
-    count = max(1, nbytes // DD_BS)
-    return _dd(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"], count)
+    done, seconds = _dd(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"],
+                        max(1, nbytes // DD_BS))
+    return done / seconds / 1e6
 
 
 def dd_read_files(root: Path) -> float:
     """MB/s of ``dd`` reading the files of at least 1 MiB under ``root`` one after the other
     (direct I/O, never through the page cache): the checkpoint's own bytes, in one stream."""
     files = sorted(f for f in root.rglob("*") if f.is_file() and f.stat().st_size >= 2**20)
-    total, seconds = 0, 0.0
-    for f in files:
-        t0 = time.perf_counter()
-        res = subprocess.run(["dd", f"if={f}", "of=/dev/null", "iflag=direct", f"bs={DD_BS}"],
-                             capture_output=True, text=True, check=True)
-        wall = time.perf_counter() - t0
-        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", res.stderr)
-        total += int(m.group(1)) if m else f.stat().st_size
-        seconds += float(m.group(2)) if m else wall
-    return total / seconds / 1e6
+    runs = [_dd([f"if={f}", "of=/dev/null", "iflag=direct"]) for f in files]
+    return sum(b for b, _ in runs) / sum(t for _, t in runs) / 1e6
 
 
 def main() -> None:

@@ -74,8 +74,15 @@ THROUGH_PAGE_CACHE = False
 _DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
 _RNG = re.compile(r"^rng/rank-(\d+)\.pt$")
 _DS_ZERO = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
-_DS_PARTITION = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 _DS_MODEL = re.compile(r"(?:^|/)mp_rank_(\d+)_model_states\.pt$")
+
+
+def _is_partition(rel: str) -> bool:
+    """Whether ``rel`` is a DeepSpeed ZeRO optimizer partition (one rank's)."""
+    m = _DS_ZERO.search(rel)
+    return m is not None and m.group(3) == "optim"
+
+
 #: Small files every rank reads itself (DCP's index; the trainer state).
 _EVERY_RANK = frozenset({"dcp/.metadata", "trainer.json"})
 
@@ -255,7 +262,7 @@ class VerifiedFiles:
             if view is None and _DS_MODEL.search(Path(path).name):
                 return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
             with self.open(path) as f:
-                if (rel in self.digests and _DS_PARTITION.search(rel)
+                if (rel in self.digests and _is_partition(rel)
                         and self.targets is not None and not self.targets.used
                         and str(map_location or "cpu") == "cpu"):
                     # A partition read now (small, or without block checksums): into the
@@ -270,8 +277,8 @@ class VerifiedFiles:
 
     def release(self) -> None:
         """Drop the kept bytes, what the engine did not take and the read buffers (after the
-        engine loaded them, or instead: then the engine's state memory that a partition was
-        read into is zeroed again)."""
+        engine loaded them, or instead: then the engine's tensors that a partition was read
+        into get their start-up values back, ``LoadTargets.restore``)."""
         self.data.clear()
         if self.loaded and self.targets is not None:
             self.targets.restore()
@@ -530,7 +537,7 @@ def verify_collective(path: Path, rank: int, world: int,
         # resume at the world size it was saved with reads that file.
         targets = None
         if (reuse is not None and meta.get("world_size") == world
-                and any(_DS_PARTITION.search(rel) for rel in files)):
+                and any(_is_partition(rel) for rel in files)):
             targets = reuse()
         parts = split_shared(files, who, rank)
         cache, why, refused = verify_local(path, files, mine[rank], once, targets, parts)
