@@ -20,7 +20,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -39,17 +38,13 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _solo_env() -> dict[str, str]:
     """A bare ``python -m pipeline.train worker``: rank 0 of 1 (no torchrun, which adds its
-    own failure report around the worker's message)."""
+    own failure report around the worker's message). Port 0: the world-of-one store binds a
+    port of its own, so two workers started together cannot race for one chosen beforehand (a
+    port picked free and released was taken by the other worker's gloo socket in CI)."""
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
 
 
 def _worker_argv(run_dir: Path, data: Path) -> list[str]:
