@@ -72,3 +72,36 @@ def test_a_foreign_pickle_is_never_unpickled_by_the_fast_path() -> None:
     f.seek(0)
     with pytest.raises(pickle.UnpicklingError):  # and DCP's way refuses it as before
         torch.load(f, weights_only=True)
+
+
+def _adamw(amsgrad: bool = False) -> torch.optim.AdamW:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2, bias=False))
+    model[0].bias.requires_grad_(False)  # a frozen parameter gets no state
+    return torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, amsgrad=amsgrad)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_fresh_adamws_state_for_a_load_is_the_one_its_first_step_makes(amsgrad: bool) -> None:
+    """``adamw_state_for_load`` replaces torch's ``_init_optim_state`` (a whole step on zero
+    gradients) before a DCP load: the same keys, shapes, dtypes and devices per parameter,
+    the parameters untouched, so DCP plans the same reads."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from pipeline.train.engines import adamw_state_for_load
+
+    ours, theirs = _adamw(amsgrad), _adamw(amsgrad)
+    params = [p.detach().clone() for g in ours.param_groups for p in g["params"]]
+    assert adamw_state_for_load(ours)
+    _init_optim_state(theirs)
+    mine = [ours.state.get(p) for g in ours.param_groups for p in g["params"]]
+    ref = [theirs.state.get(p) for g in theirs.param_groups for p in g["params"]]
+
+    def shape(st: dict | None) -> dict | None:
+        return None if st is None else {k: (v.shape, v.dtype, v.device) for k, v in st.items()}
+
+    assert [shape(s) for s in mine] == [shape(s) for s in ref]
+    assert sum(s is None for s in mine) == 1  # the frozen bias
+    after = [p for g in ours.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(params, after, strict=True))
+    assert not adamw_state_for_load(ours)  # state already there: left as it is
+    assert not adamw_state_for_load(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1))

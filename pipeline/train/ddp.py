@@ -32,7 +32,7 @@ import torch
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
 from pipeline.train.compile import compile_decoder_layers
-from pipeline.train.engines import StepResult, adamw_with_schedule
+from pipeline.train.engines import StepResult, adamw_state_for_load, adamw_with_schedule
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -165,6 +165,7 @@ class DDPEngine:
         verified = extra.get("verified")
         fs = verified.dcp_filesystem() if verified is not None else None
         read_dcp_metadata(ckpt / "dcp", fs)
+        adamw_state_for_load(self.opt)
         state = self._state()
         dcp_load(state, ckpt / "dcp", fs=fs)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"],
