@@ -77,9 +77,10 @@ class _Loader:
         assert state == {"bench": True}
 
 
-def start_engine(run_dir: Path) -> tuple[Any, Any, Any]:
+def start_engine(run_dir: Path, step: bool = True) -> tuple[Any, Any, Any]:
     """Under torchrun: the process group, the run's engine on a random-weight Llama of
-    ``BENCH_VOCAB`` tokens, one optimizer step taken (Adam's moments exist). Returns
+    ``BENCH_VOCAB`` tokens, one optimizer step taken if ``step`` (Adam's moments exist; without
+    it, the engine a requeued job builds before its resume). Returns
     ``(run config, RankEnv, engine)``; shared with ``bench.async_save``."""
     import torch
     import torch.distributed as dist
@@ -102,10 +103,11 @@ def start_engine(run_dir: Path) -> tuple[Any, Any, Any]:
         from pipeline.train.engines import FSDPEngine
 
         engine = FSDPEngine(model, run_cfg, torch.device("cpu"))
-    g = torch.Generator().manual_seed(env_.rank)
-    ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len),
-                        generator=g)
-    engine.train_step([ids])
+    if step:
+        g = torch.Generator().manual_seed(env_.rank)
+        ids = torch.randint(0, vocab, (run_cfg.train.micro_batch_size, run_cfg.data.seq_len),
+                            generator=g)
+        engine.train_step([ids])
     return run_cfg, env_, engine
 
 
@@ -113,6 +115,29 @@ def replaced_state(engine: Any) -> list[Any]:
     """The engine's state tensors that a resume reads into (DeepSpeed's masters and moments)."""
     targets = engine.load_targets() if hasattr(engine, "load_targets") else None
     return [] if targets is None else list(targets.tensors.values())
+
+
+def restored_digests(engine: Any) -> list[str]:
+    """xxh3 of every tensor a resume restores on this rank, in a fixed order: the weights
+    (local shards), DeepSpeed's fp32 masters, the optimizer's moments (not ``step``)."""
+    import torch
+    import xxhash
+
+    if hasattr(engine, "engine"):  # deepspeed
+        params = list(engine.engine.module.parameters())
+        opt = engine.engine.optimizer
+        extra = list(getattr(opt, "single_partition_of_fp32_groups", []))
+        inner = opt.optimizer
+    else:
+        params, extra, inner = list(engine.model.parameters()), [], engine.opt
+    moments = [v for g in inner.param_groups for p in g["params"]
+               for k, v in sorted(inner.state.get(p, {}).items())
+               if k != "step" and isinstance(v, torch.Tensor)]
+    out = []
+    for t in params + extra + moments:
+        t = (t.to_local() if hasattr(t, "to_local") else t).detach().contiguous()
+        out.append(xxhash.xxh3_64_hexdigest(t.view(-1).view(torch.uint8).numpy()))
+    return out
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -129,6 +154,15 @@ def run_bench_worker(work: Path, args: argparse.Namespace, backend: str, module:
     """Render a run of ``backend`` for the model of ``args`` in ``work``, run ``module``'s
     worker on it under ``torchrun --nproc-per-node 2``, return its ``bench.json`` (the run's
     checkpoints are removed)."""
+    run = render_bench_run(work, args, backend, **train)
+    try:
+        return torchrun_worker(run, args, module, *extra)
+    finally:
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+
+
+def render_bench_run(work: Path, args: argparse.Namespace, backend: str, **train: Any) -> Path:
+    """The run folder of ``backend`` for the model of ``args``, rendered in ``work``."""
     import yaml
 
     cfg = {
@@ -148,6 +182,12 @@ def run_bench_worker(work: Path, args: argparse.Namespace, backend: str, module:
     subprocess.run([sys.executable, "-m", "pipeline.render", "--config", f"{backend}.yaml",
                     "--run", backend, "--out", str(run)], cwd=work, env=env(), check=True,
                    capture_output=True)
+    return run
+
+
+def torchrun_worker(run: Path, args: argparse.Namespace, module: str, *extra: str,
+                    result: str = "bench.json") -> dict[str, Any]:
+    """``module``'s worker on ``run`` under ``torchrun --nproc-per-node 2``: its ``result``."""
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", "-m", module, "--worker", str(run), *extra],
@@ -155,10 +195,15 @@ def run_bench_worker(work: Path, args: argparse.Namespace, backend: str, module:
         text=True, timeout=1200,
     )
     if res.returncode != 0:
-        raise SystemExit(f"{backend} worker failed:\n{res.stderr[-4000:]}")
-    out = json.loads((run / "bench.json").read_text())
-    shutil.rmtree(run / "checkpoints", ignore_errors=True)
-    return out
+        raise SystemExit(f"{run.name} worker failed:\n{res.stderr[-4000:]}")
+    return json.loads((run / result).read_text())
+
+
+def _params(engine: Any) -> Any:
+    """The engine's model parameters, as a function (DeepSpeed's load may re-bind them)."""
+    if hasattr(engine, "engine"):
+        return lambda: engine.engine.module.parameters()
+    return lambda: engine.model.parameters()
 
 
 def worker(run_dir: Path) -> None:
@@ -170,10 +215,7 @@ def worker(run_dir: Path) -> None:
     from pipeline.checkpoint_manager import CheckpointManager
 
     run_cfg, env_, engine = start_engine(run_dir)
-    if run_cfg.train.backend == "deepspeed":
-        params = lambda: engine.engine.module.parameters()  # noqa: E731
-    else:
-        params = lambda: engine.model.parameters()  # noqa: E731
+    params = _params(engine)
 
     def local(p: torch.Tensor) -> torch.Tensor:
         p = p.to_local() if hasattr(p, "to_local") else p
@@ -207,6 +249,8 @@ def worker(run_dir: Path) -> None:
     manager.background = False
     manager.save(engine, state)
     t_save = time.perf_counter() - t0
+    # What each fresh process's load must restore (fresh_load_worker), before the loads here.
+    (run_dir / f"digests{env_.rank}.json").write_text(json.dumps(restored_digests(engine)))
     dist.barrier()
     nbytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     reps = []
@@ -229,6 +273,28 @@ def worker(run_dir: Path) -> None:
         (run_dir / "bench.json").write_text(json.dumps(
             {"save_s": t_save, "bytes": nbytes, "restored": flag.item() == 0, "reps": reps,
              "dd_write": dd_write, **parts}))
+    dist.destroy_process_group()
+
+
+def fresh_load_worker(run_dir: Path, index: int) -> None:
+    """One rank of a requeued job: a new process builds the engine (no step, so no optimizer
+    state: the load makes it, in memory this process never touched) and makes one cold load,
+    as :func:`_timed_load`; every restored tensor is checked against the save's digests."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.checkpoint_manager import CheckpointManager
+
+    run_cfg, env_, engine = start_engine(run_dir, step=False)
+    manager = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
+                                           rank=env_.rank, world_size=env_.world_size)
+    rep = _timed_load(manager, engine, _params(engine), run_dir / "checkpoints", env_.rank)
+    saved = json.loads((run_dir / f"digests{env_.rank}.json").read_text())
+    flag = torch.tensor([0.0 if restored_digests(engine) == saved else 1.0])
+    dist.all_reduce(flag)
+    if env_.rank == 0:
+        (run_dir / f"fresh{index}.json").write_text(json.dumps(
+            {**rep, "restored": flag.item() == 0}))
     dist.destroy_process_group()
 
 
@@ -308,9 +374,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="cold loads per engine (median)")
     ap.add_argument("--workdir", type=Path, default=None, help="parent of the temp dir (the disk)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fresh-load", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker)
+        if args.fresh_load is None:
+            worker(args.worker)
+        else:
+            fresh_load_worker(args.worker, args.fresh_load)
         return
 
     work = Path(tempfile.mkdtemp(prefix="zs-bench-ckpt-", dir=args.workdir))
@@ -318,7 +388,11 @@ def main() -> None:
     try:
         for backend in args.backends.split(","):
             os.environ["BENCH_REPS"] = str(args.reps)
-            r = run_bench_worker(work, args, backend, "bench.checkpoint")
+            run = render_bench_run(work, args, backend)
+            r = torchrun_worker(run, args, "bench.checkpoint")
+            r["fresh"] = [torchrun_worker(run, args, "bench.checkpoint", "--fresh-load", str(i),
+                                          result=f"fresh{i}.json") for i in range(args.reps)]
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
             results[backend] = r
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
@@ -326,26 +400,36 @@ def main() -> None:
                   f"weights (and deepspeed: Adam moments) restored: {r['restored']}\n"
                   f"{'':10s}save = engine files {r['engine_s']:.2f} s + manifest (checksums, "
                   f"rename) {r['manifest_s']:.2f} s + rest", flush=True)
-            for i, rep in enumerate(r["reps"]):
-                print(f"{'':10s}load {i + 1}: {rep['load_s']:5.2f} s ({mb / rep['load_s']:5.0f} "
-                      f"MB/s; verify {rep['verify_s']:.2f} s + engine "
-                      f"{rep['load_s'] - rep['verify_s']:.2f} s); dd read just before "
-                      f"{rep['dd_read']:5.0f} MB/s: {mb / rep['load_s'] / rep['dd_read']:4.2f}x "
-                      f"(dd just after {rep['dd_after']:5.0f} MB/s)", flush=True)
+            for label, reps in (("in the saving process", r["reps"]),
+                                ("each in a new process (a requeued job)", r["fresh"])):
+                print(f"{'':10s}loads {label}:")
+                for i, rep in enumerate(reps):
+                    print(f"{'':10s}load {i + 1}: {rep['load_s']:5.2f} s "
+                          f"({mb / rep['load_s']:5.0f} MB/s; verify {rep['verify_s']:.2f} s + "
+                          f"engine {rep['load_s'] - rep['verify_s']:.2f} s); dd read just "
+                          f"before {rep['dd_read']:5.0f} MB/s: "
+                          f"{mb / rep['load_s'] / rep['dd_read']:4.2f}x (dd just after "
+                          f"{rep['dd_after']:5.0f} MB/s)"
+                          + ("" if rep.get("restored", True) else "  STATE NOT RESTORED"),
+                          flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\nratios (trainer / dd, cold page cache; load: median over the repetitions, each "
           "against the dd read just before it; goal >= 0.7):")
     for backend, r in results.items():
         mb = r["bytes"] / 1e6
-        loads = sorted(mb / rep["load_s"] / rep["dd_read"] for rep in r["reps"])
-        around = sorted(mb / rep["load_s"] / ((rep["dd_read"] + rep["dd_after"]) / 2)
-                        for rep in r["reps"])
-        first = r["reps"][0]
-        print(f"  {backend:9s} save {mb / r['save_s'] / r['dd_write']:4.2f}x   "
-              f"load {statistics.median(loads):4.2f}x   (against the mean of the dd reads "
-              f"before and after: {statistics.median(around):4.2f}x; the process's first "
-              f"load: {mb / first['load_s'] / first['dd_read']:4.2f}x)")
+
+        def median(reps: list[dict], around: bool = False, mb: float = mb) -> float:
+            return statistics.median(
+                mb / rep["load_s"] / ((rep["dd_read"] + rep["dd_after"]) / 2 if around
+                                      else rep["dd_read"]) for rep in reps)
+
+        restored = r["restored"] and all(rep["restored"] for rep in r["fresh"])
+        print(f"  {backend:9s} save {mb / r['save_s'] / r['dd_write']:4.2f}x   load in a new "
+              f"process (a requeued job) {median(r['fresh']):4.2f}x, in the saving process "
+              f"{median(r['reps']):4.2f}x   (against the mean of the dd reads before and after: "
+              f"{median(r['fresh'], True):4.2f}x, {median(r['reps'], True):4.2f}x); every "
+              f"load restored the saved state: {restored}")
 
 
 if __name__ == "__main__":
