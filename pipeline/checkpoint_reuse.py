@@ -102,6 +102,14 @@ class _Loader:
                 wrap_storage=torch.UntypedStorage(nbytes), dtype=dtype, _internal=True)
         return self.storages[key]
 
+    def prefault(self, order: list[str]) -> None:
+        """Fault in the pages of the storages of ``order`` (keys, in the order they are read)
+        that are new memory (not bound to an engine tensor), ahead of the reads that fill them
+        (:func:`pipeline.checkpoint_stream.prefault`)."""
+        from pipeline.checkpoint_stream import prefault
+
+        prefault([self.storages[k]._untyped_storage for k in order if k not in self.into])
+
     def memory(self, key: str) -> memoryview:
         t = self.into.get(key)
         raw = t.untyped_storage() if t is not None else self.storages[key]._untyped_storage
@@ -189,7 +197,9 @@ def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None
         return loader.storage(storage_dtype(storage_type), str(key), numel)
 
     result = loader.bind(loader.unpickle(f, persistent), targets)
-    for key in wo.load(f, encoding="utf-8"):
+    keys = wo.load(f, encoding="utf-8")
+    loader.prefault([str(k) for k in keys if str(k) in loader.storages])
+    for key in keys:
         s = loader.storages.get(str(key))
         if s is None:
             raise PipelineError(f"{name}: storage {key!r} is not named by the pickle")
@@ -226,7 +236,9 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader,
         if rec is None or rec[1] != s._untyped_storage.nbytes():
             raise PipelineError(f"{name}: storage {key!r} is missing or not its size")
         records.append((rec[0], key))
-    for offset, key in sorted(records):  # in file order: the stream reads ahead
+    records.sort()  # in file order: the stream reads ahead
+    loader.prefault([key for _, key in records])
+    for offset, key in records:
         whole.seek(offset)
         readinto_exact(whole, loader.memory(key), name)
     return result

@@ -4,6 +4,9 @@ through reused O_DIRECT windows (small windows here, so that a few hundred KB sp
 from __future__ import annotations
 
 import io
+import os
+import platform
+import re
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +169,29 @@ def test_a_read_far_ahead_keeps_the_main_runs_read_ahead(tmp_path: Path,
         windows.close()
     # The peeks cost one block each; the main run streams in whole windows.
     assert len(fills) <= 16 and sum(f == cs.WINDOW_BYTES for f in fills) >= 7, fills
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_prefault_makes_new_memory_present_and_leaves_its_bytes_alone() -> None:
+    """``prefault`` (run while a load writes into the same memory) must not change a byte: the
+    bytes written before it and the pages it makes present (zero) are what they were."""
+    from pipeline.checkpoint_stream import prefault
+
+    big = torch.UntypedStorage(96 << 20)  # untouched: its pages are not present yet
+    written = torch.tensor([], dtype=torch.uint8).set_(big)
+    written[:4096] = 7  # the first page, as a reader that began first
+    before = _resident_bytes()
+    thread = prefault([big, torch.UntypedStorage(100)])  # a small one is skipped
+    assert thread is not None
+    thread.join()
+    grew = _resident_bytes() - before
+    m = re.match(r"(\d+)\.(\d+)", platform.release())
+    if m is None or (int(m[1]), int(m[2])) < (5, 14):
+        pytest.skip(f"MADV_POPULATE_WRITE is Linux 5.14+, this is {platform.release()}")
+    assert grew >= (64 << 20), grew  # the pages are present (the 96 MiB, less what shares)
+    assert bool((written[:4096] == 7).all()) and int(written[4096:].sum()) == 0
+    assert prefault([]) is None

@@ -70,9 +70,12 @@ def adamw_state_for_load(opt: Any) -> bool:
         return False
     if any(g.get("fused") or g.get("capturable") for g in opt.param_groups):
         return False
+    from pipeline.checkpoint_stream import prefault
+
     # torch.optim.optimizer._get_scalar_dtype(): float64 only under a float64 default dtype.
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     keys = ("exp_avg", "exp_avg_sq")
+    new = []
     for group in opt.param_groups:
         for p in group["params"]:
             if not p.requires_grad:
@@ -80,7 +83,11 @@ def adamw_state_for_load(opt: Any) -> bool:
             state = {"step": torch.tensor(0.0, dtype=step_dtype)}
             for key in keys + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
                 state[key] = torch.empty_like(p, memory_format=torch.preserve_format)
+                local = state[key].to_local() if hasattr(state[key], "to_local") else state[key]
+                if local.device.type == "cpu":
+                    new.append(local.untyped_storage())
             opt.state[p] = state
+    prefault(new)  # the new memory's page faults taken while the load reads the disk
     return True
 
 
