@@ -17,9 +17,13 @@ moments exist), then
   (``posix_fadvise(DONTNEED)``), so it reads the disk as ``dd`` does, and with the
   optimizer's state cleared (a requeued job's fresh engine has none: the load makes it); the
   weights (and DeepSpeed's fp32 masters and Adam moments) are checked equal to those saved.
-  The first load is the one closest to a requeued job's: later ones find memory that the
-  process freed moments before, which a VM whose free memory goes back to the host
-  (free page reporting) hands out faster than memory it has to fault in from the host.
+  These loads find memory that the process freed moments before, which a VM whose free
+  memory goes back to the host (free page reporting) hands out faster than memory it has to
+  fault in from the host; so
+* the same load again, ``--reps`` times, each in a new ``torchrun`` (a requeued job: the
+  engine built without a step, no optimizer state; the load makes it, in new memory), every
+  restored tensor (weights, DeepSpeed's masters, Adam's moments) checked against the save's
+  xxh3 digests. Both medians are printed; the new process's is the one a user waits for.
 
 ``dd`` in the same run, on the same bytes: right before *each* of ``--reps`` loads, and again
 right after it, ``dd iflag=direct`` reads the checkpoint's own files (every file of at least
