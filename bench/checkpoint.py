@@ -16,14 +16,14 @@ moments exist), then
   states memory-mapped), after the checkpoint's pages were evicted from the page cache
   (``posix_fadvise(DONTNEED)``), so it reads the disk as ``dd`` does, and with the
   optimizer's state cleared (a requeued job's fresh engine has none: the load makes it); the
-  weights (and DeepSpeed's fp32 masters and Adam moments) are checked equal to those saved.
+  weights, DeepSpeed's fp32 masters and Adam's moments are checked against xxh3 digests of
+  those saved.
   These loads find memory that the process freed moments before, which a VM whose free
   memory goes back to the host (free page reporting) hands out faster than memory it has to
   fault in from the host; so
 * the same load again, ``--reps`` times, each in a new ``torchrun`` (a requeued job: the
-  engine built without a step, no optimizer state; the load makes it, in new memory), every
-  restored tensor (weights, DeepSpeed's masters, Adam's moments) checked against the save's
-  xxh3 digests. Both medians are printed; the new process's is the one a user waits for.
+  engine built without a step, no optimizer state; the load makes it, in new memory), checked
+  the same way. Both medians are printed; the new process's is the one a user waits for.
 
 ``dd`` in the same run, on the same bytes: right before *each* of ``--reps`` loads, and again
 right after it, ``dd iflag=direct`` reads the checkpoint's own files (every file of at least
@@ -127,18 +127,14 @@ def restored_digests(engine: Any) -> list[str]:
     import torch
     import xxhash
 
-    if hasattr(engine, "engine"):  # deepspeed
-        params = list(engine.engine.module.parameters())
-        opt = engine.engine.optimizer
-        extra = list(getattr(opt, "single_partition_of_fp32_groups", []))
-        inner = opt.optimizer
-    else:
-        params, extra, inner = list(engine.model.parameters()), [], engine.opt
+    masters = getattr(getattr(engine, "engine", None), "optimizer", None)
+    masters = list(getattr(masters, "single_partition_of_fp32_groups", []))
+    inner = _optimizer(engine)
     moments = [v for g in inner.param_groups for p in g["params"]
                for k, v in sorted(inner.state.get(p, {}).items())
                if k != "step" and isinstance(v, torch.Tensor)]
     out = []
-    for t in params + extra + moments:
+    for t in list(_params(engine)()) + masters + moments:
         t = (t.to_local() if hasattr(t, "to_local") else t).detach().contiguous()
         out.append(xxhash.xxh3_64_hexdigest(t.view(-1).view(torch.uint8).numpy()))
     return out
@@ -210,6 +206,11 @@ def _params(engine: Any) -> Any:
     return lambda: engine.model.parameters()
 
 
+def _optimizer(engine: Any) -> Any:
+    """The engine's ``torch.optim`` optimizer (DeepSpeed's: the one inside its ZeRO wrapper)."""
+    return engine.engine.optimizer.optimizer if hasattr(engine, "engine") else engine.opt
+
+
 def worker(run_dir: Path) -> None:
     """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
     import torch
@@ -220,14 +221,10 @@ def worker(run_dir: Path) -> None:
 
     run_cfg, env_, engine = start_engine(run_dir)
     params = _params(engine)
-
-    def local(p: torch.Tensor) -> torch.Tensor:
-        p = p.to_local() if hasattr(p, "to_local") else p
-        return p.detach().clone()
-
-    # What the load must bring back: the weights and (deepspeed: read into the memory of the
-    # state it replaces, pipeline.checkpoint_reuse) the fp32 masters and Adam's moments.
-    before = [local(p) for p in params()] + [t.detach().clone() for t in replaced_state(engine)]
+    # What every load must bring back (here and in fresh_load_worker): the weights, DeepSpeed's
+    # fp32 masters, Adam's moments, as digests (no second copy of the state in memory).
+    saved = restored_digests(engine)
+    (run_dir / f"digests{env_.rank}.json").write_text(json.dumps(saved))
     root = run_dir / "checkpoints"
     state = ck.TrainerState(step=1, tokens_seen=0, loader={"bench": True})
     # Where the save's time goes: the engine's files, then rank 0's manifest (checksums).
@@ -253,17 +250,12 @@ def worker(run_dir: Path) -> None:
     manager.background = False
     manager.save(engine, state)
     t_save = time.perf_counter() - t0
-    # What each fresh process's load must restore (fresh_load_worker), before the loads here.
-    (run_dir / f"digests{env_.rank}.json").write_text(json.dumps(restored_digests(engine)))
     dist.barrier()
     nbytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     reps = []
     for _ in range(int(os.environ.get("BENCH_REPS", "1"))):
         reps.append(_timed_load(manager, engine, params, root, env_.rank))
-        after = [local(p) for p in params()] + [t.detach().clone()
-                                                for t in replaced_state(engine)]
-        same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-        flag = torch.tensor([0.0 if same else 1.0])
+        flag = torch.tensor([0.0 if restored_digests(engine) == saved else 1.0])
         dist.all_reduce(flag)
         if flag.item() != 0:
             break
@@ -324,8 +316,7 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
             t.add_(1.0)
     # A requeued job's engine has no optimizer state yet (torch.optim makes it at the first
     # step): the load makes the moments, as there.
-    inner = engine.engine.optimizer.optimizer if hasattr(engine, "engine") else engine.opt
-    inner.state.clear()
+    _optimizer(engine).state.clear()
     gc.collect()
     dist.barrier()
     # The trainer's resume: the manager's resume (rank 0's structural choice, then every rank
@@ -366,7 +357,8 @@ def dd_write_file(path: Path, nbytes: int) -> float:
 def dd_read_files(root: Path) -> float:
     """MB/s of ``dd`` reading the files of at least 1 MiB under ``root`` one after the other
     (direct I/O, never through the page cache): the checkpoint's own bytes, in one stream."""
-    files = sorted(f for f in root.rglob("*") if f.is_file() and f.stat().st_size >= 2**20)
+    every = sorted(f for f in root.rglob("*") if f.is_file())
+    files = [f for f in every if f.stat().st_size >= 2**20] or every  # a tiny model's: all
     runs = [_dd([f"if={f}", "of=/dev/null", "iflag=direct"]) for f in files]
     return sum(b for b, _ in runs) / sum(t for _, t in runs) / 1e6
 
@@ -401,7 +393,7 @@ def main() -> None:
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
                   f"({mb / r['save_s']:5.0f} MB/s; dd write {r['dd_write']:5.0f} MB/s), "
-                  f"weights (and deepspeed: Adam moments) restored: {r['restored']}\n"
+                  f"saved state (weights, masters, moments) restored: {r['restored']}\n"
                   f"{'':10s}save = engine files {r['engine_s']:.2f} s + manifest (checksums, "
                   f"rename) {r['manifest_s']:.2f} s + rest", flush=True)
             for label, reps in (("in the saving process", r["reps"]),
