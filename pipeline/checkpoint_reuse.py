@@ -198,6 +198,8 @@ def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None
 
     result = loader.bind(loader.unpickle(f, persistent), targets)
     keys = wo.load(f, encoding="utf-8")
+    if not isinstance(keys, list):
+        raise PipelineError(f"{name}: its list of storages is a {type(keys).__name__}, not a list")
     loader.prefault([str(k) for k in keys if str(k) in loader.storages])
     for key in keys:
         s = loader.storages.get(str(key))

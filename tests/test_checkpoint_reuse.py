@@ -99,6 +99,19 @@ def test_what_torch_load_refuses_is_refused(zipfile: bool) -> None:
         load_reusing(cut, size - 1000, "cut.pt", [], None)
 
 
+def test_a_legacy_file_whose_storage_list_is_not_a_list_is_refused() -> None:
+    """The legacy format's last pickle lists the storages that follow; anything else is a clean
+    error naming the file, not a TypeError."""
+    import pickle
+
+    buf = io.BytesIO()
+    for part in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION,
+                 {"little_endian": True}, {"n": 5}, 7):
+        pickle.dump(part, buf, protocol=2)
+    with pytest.raises(PipelineError, match=r"odd\.pt: its list of storages is a int"):
+        load_reusing(io.BytesIO(buf.getvalue()), len(buf.getvalue()), "odd.pt", [], None)
+
+
 def _partition(root: Path, step: int) -> Path:
     """A checkpoint holding one DeepSpeed-named optimizer partition of 3 × 6 MB, written as the
     engine's files are (the zip format the rendered ds_config asks for; block checksums)."""
