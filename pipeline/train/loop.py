@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # Out without the interpreter's teardown: there, a gloo worker thread still holding the
     # last collective's work takes the GIL to free its tensors and aborts the process
     # ("terminate called without an active exception"; core dump: pthread_exit from take_gil
-    # in ProcessGroupGloo::AsyncWork::~AsyncWork), which torchrun reports as a failed rank
-    # after a finished run. Seen in about one worker in ten of bench.checkpoint on the
-    # development VM. Everything is written and closed by now (Trainer.close: trackers,
-    # events, the process group).
+    # in ProcessGroupGloo::AsyncWork::~AsyncWork), which torchrun would report as a failed
+    # rank after a finished run. Seen in about one in ten of bench.checkpoint's workers on the
+    # development VM, whose ending (a collective, then destroy_process_group) is the trainer's;
+    # not yet caught in a trainer. Everything is written and closed by now (Trainer.close:
+    # trackers, events, the process group).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
