@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.checkpoint import add_model_args, run_bench_worker, start_engine
+from bench.checkpoint import add_model_args, end_worker, run_bench_worker, start_engine
 
 
 def worker(run_dir: Path, repeats: int) -> None:
@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         worker(args.worker, args.repeats)
-        return
+        end_worker()
 
     work = Path(tempfile.mkdtemp(prefix="zs-bench-async-", dir=args.workdir))
     results: dict[str, dict] = {}

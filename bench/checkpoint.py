@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -333,6 +333,17 @@ def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
     return {"load_s": load_s, "verify_s": verify_s, "dd_read": dd_read, "dd_after": dd_after}
 
 
+def end_worker() -> NoReturn:
+    """End a benchmark's torchrun worker (its results written) without the interpreter's
+    teardown, where a gloo worker thread that still held the last collective's work aborted the
+    process now and then ("terminate called without an active exception": it took the GIL
+    during finalization; 3 times in ~30 workers on the development VM, core dump in
+    ``ProcessGroupGloo::AsyncWork::~AsyncWork``). ``pipeline.train.loop`` ends the same way."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 DD_BS = 4 * 2**20
 
 
@@ -377,14 +388,7 @@ def main() -> None:
             worker(args.worker)
         else:
             fresh_load_worker(args.worker, args.fresh_load)
-        # Out without the interpreter's teardown, where a gloo worker thread that still held
-        # the last collective's work aborted the process now and then ("terminate called
-        # without an active exception": it took the GIL during finalization; seen 3 times in
-        # ~30 workers here, core dump in ProcessGroupGloo::AsyncWork::~AsyncWork). The
-        # results are written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_worker()
 
     work = Path(tempfile.mkdtemp(prefix="zs-bench-ckpt-", dir=args.workdir))
     results: dict[str, dict] = {}

@@ -116,7 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.bare is not None:
         bare(args.bare[0], args.bare[1], args.steps)
-        return
+        from bench.checkpoint import end_worker
+
+        end_worker()
 
     import yaml
 
