@@ -338,7 +338,7 @@ def end_worker() -> NoReturn:
     teardown, where a gloo worker thread that still held the last collective's work aborted the
     process now and then ("terminate called without an active exception": it took the GIL
     during finalization; 3 times in ~30 workers on the development VM, core dump in
-    ``ProcessGroupGloo::AsyncWork::~AsyncWork``). ``pipeline.train.loop`` ends the same way."""
+    ``ProcessGroupGloo::AsyncWork::~AsyncWork``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
