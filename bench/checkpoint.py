@@ -140,8 +140,18 @@ def restored_digests(engine: Any) -> list[str]:
     return out
 
 
+def all_restored(engine: Any, saved: list[str]) -> bool:
+    """Collective: whether every rank's :func:`restored_digests` equal those it saved."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if restored_digests(engine) == saved else 1.0])
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The benchmark model's shape (a Llama of ~110 M parameters by default)."""
+    """The benchmark model's shape (a Llama of ~134 M parameters by default)."""
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=12)
@@ -213,7 +223,6 @@ def _optimizer(engine: Any) -> Any:
 
 def worker(run_dir: Path) -> None:
     """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
-    import torch
     import torch.distributed as dist
 
     from pipeline import checkpoint as ck
@@ -253,11 +262,11 @@ def worker(run_dir: Path) -> None:
     dist.barrier()
     nbytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     reps = []
+    restored = True
     for _ in range(int(os.environ.get("BENCH_REPS", "1"))):
         reps.append(_timed_load(manager, engine, params, root, env_.rank))
-        flag = torch.tensor([0.0 if restored_digests(engine) == saved else 1.0])
-        dist.all_reduce(flag)
-        if flag.item() != 0:
+        restored = all_restored(engine, saved)
+        if not restored:
             break
     dist.barrier()
     if env_.rank == 0:
@@ -267,7 +276,7 @@ def worker(run_dir: Path) -> None:
         dd_write = dd_write_file(probe, nbytes)
         probe.unlink()
         (run_dir / "bench.json").write_text(json.dumps(
-            {"save_s": t_save, "bytes": nbytes, "restored": flag.item() == 0, "reps": reps,
+            {"save_s": t_save, "bytes": nbytes, "restored": restored, "reps": reps,
              "dd_write": dd_write, **parts}))
     dist.destroy_process_group()
 
@@ -276,7 +285,6 @@ def fresh_load_worker(run_dir: Path, index: int) -> None:
     """One rank of a requeued job: a new process builds the engine (no step, so no optimizer
     state: the load makes it, in memory this process never touched) and makes one cold load,
     as :func:`_timed_load`; every restored tensor is checked against the save's digests."""
-    import torch
     import torch.distributed as dist
 
     from pipeline.checkpoint_manager import CheckpointManager
@@ -285,12 +293,9 @@ def fresh_load_worker(run_dir: Path, index: int) -> None:
     manager = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
                                            rank=env_.rank, world_size=env_.world_size)
     rep = _timed_load(manager, engine, _params(engine), run_dir / "checkpoints", env_.rank)
-    saved = json.loads((run_dir / f"digests{env_.rank}.json").read_text())
-    flag = torch.tensor([0.0 if restored_digests(engine) == saved else 1.0])
-    dist.all_reduce(flag)
+    restored = all_restored(engine, json.loads((run_dir / f"digests{env_.rank}.json").read_text()))
     if env_.rank == 0:
-        (run_dir / f"fresh{index}.json").write_text(json.dumps(
-            {**rep, "restored": flag.item() == 0}))
+        (run_dir / f"fresh{index}.json").write_text(json.dumps({**rep, "restored": restored}))
     dist.destroy_process_group()
 
 
