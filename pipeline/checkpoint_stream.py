@@ -43,7 +43,7 @@ from pipeline.fastio import ALIGN
 #: flight at once (queue depth helps virtual and NVMe disks alike). 4 MiB, not 16: each rank
 #: holds three windows of new memory per resume, and a requeued job's new memory is what its
 #: load waits for on a VM that faults it in from the host. Measured on the development VM,
-#: each load in a new process, alternating in one run (3 pairs, 110 M model, 2 ranks):
+#: each load in a new process, alternating in one run (3 pairs, 134 M model, 2 ranks):
 #: fsdp 0.95-1.04 s with 4 MiB against 1.55-1.89 s with 16 MiB; deepspeed 1.66-2.20 s against
 #: 2.24-3.68 s.
 CHUNK_BYTES = 4 << 20
@@ -65,7 +65,7 @@ def prefault(storages: list[Any]) -> threading.Thread | None:
     fills it, it stalls the read behind it. ``MADV_POPULATE_WRITE`` takes those faults ahead of
     the reader, overlapping the disk reads, and leaves the contents alone, so the reader may
     write into a storage while the thread still works on it. Measured on the development VM
-    (a requeued job's FSDP load of a 110 M model, 2 ranks): the copy into the optimizer's new
+    (a requeued job's FSDP load of a 134 M model, 2 ranks): the copy into the optimizer's new
     moments ran at ~1.1 GB/s, into memory already present at ~3.5 GB/s. Where the advice is
     unknown (an older kernel: EINVAL; not Linux) the thread stops at once: an optimisation only.
     """

@@ -62,7 +62,7 @@ def adamw_state_for_load(opt: Any) -> bool:
     Why: DCP's ``get_state_dict`` otherwise makes the state by a whole optimizer step on zero
     gradients (torch's ``_init_optim_state``: a zero gradient per parameter, the Adam
     arithmetic, moments zeroed then overwritten), 0.4-1.2 s of a 1.4-2.5 s cold load of a
-    110 M model on the development VM (``bench.checkpoint``). Uninitialized is safe because the
+    134 M model on the development VM (``bench.checkpoint``). Uninitialized is safe because the
     load fills every element or fails: the load planner refuses a checkpoint that lacks a key.
     False, and nothing made, for an optimizer that already has state, is not plain AdamW, or
     runs fused/capturable (those keep ``step`` on the device): torch's way then."""
