@@ -116,9 +116,10 @@ def start_engine(run_dir: Path, step: bool = True) -> tuple[Any, Any, Any]:
 
 
 def replaced_state(engine: Any) -> list[Any]:
-    """The engine's state tensors that a resume reads into (DeepSpeed's masters and moments)."""
-    targets = engine.load_targets() if hasattr(engine, "load_targets") else None
-    return [] if targets is None else list(targets.tensors.values())
+    """DeepSpeed's fp32 master partitions (a resume reads into them; not through its
+    ``load_targets``, which makes the moments a load reads into: the timed load does that)."""
+    opt = getattr(getattr(engine, "engine", None), "optimizer", None)
+    return list(getattr(opt, "single_partition_of_fp32_groups", []))
 
 
 def restored_digests(engine: Any) -> list[str]:

@@ -192,6 +192,9 @@ class VerifiedFiles:
     targets: Any = None
     """The engine's :class:`~pipeline.checkpoint_reuse.LoadTargets` that this rank's partition
     is deserialized into (or None: fresh memory)."""
+    handed: bool = False
+    """Whether the engine's load took a partition read into ``targets`` (then :meth:`release`
+    leaves them as they are: they are the engine's state now)."""
     windows: Windows = field(default_factory=Windows)
 
     def _rel(self, path: str | os.PathLike) -> str | None:
@@ -255,6 +258,7 @@ class VerifiedFiles:
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
             rel = self._rel(path)
             if rel in self.loaded and str(map_location or "cpu") == "cpu":
+                self.handed = self.targets is not None
                 return self.loaded.pop(rel)
             view = self.get(path)
             with _MemoryFile(view) if view is not None else open(path, "rb") as g:
@@ -269,8 +273,10 @@ class VerifiedFiles:
                     # engine's tensors too.
                     from pipeline.checkpoint_reuse import load_reusing
 
-                    return load_reusing(f, self.digests[rel][0], str(path), classes,
-                                        self.targets)
+                    got = load_reusing(f, self.digests[rel][0], str(path), classes,
+                                       self.targets)
+                    self.handed = True
+                    return got
                 return load_ds_stream(f, Path(path), classes, map_location)
 
         return load
@@ -278,9 +284,11 @@ class VerifiedFiles:
     def release(self) -> None:
         """Drop the kept bytes, what the engine did not take and the read buffers (after the
         engine loaded them, or instead: then the engine's tensors that a partition was read
-        into get their start-up values back, ``LoadTargets.restore``)."""
+        into get their start-up values back, ``LoadTargets.restore``; and tensors the engine
+        made for a load that did not take them are dropped: a fresh optimizer's uninitialized
+        moments, even where this rank read nothing, as when another rank found damage)."""
         self.data.clear()
-        if self.loaded and self.targets is not None:
+        if self.targets is not None and (self.loaded or not self.handed):
             self.targets.restore()
         self.loaded.clear()
         self.windows.close()

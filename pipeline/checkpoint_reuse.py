@@ -1,10 +1,11 @@
 """Deserializing a ``torch.save`` file into memory the engine already has, by role.
 
 A resume's DeepSpeed optimizer partition holds the fp32 master partition and Adam's moments.
-The engine replaces them all (a fresh engine has masters but no moments yet: ``torch.optim``
-makes them at the first step, so a requeued job's resume reads its moments into fresh memory): ``torch.optim``'s ``load_state_dict`` keeps the loaded moments as
-its state, and DeepSpeed copies the loaded master partition into its own. ``torch.load`` puts
-them in fresh memory, whose first touch costs a page fault per page (a host fault on VMs that
+The engine replaces them all (a fresh engine has masters but no moments yet: the base
+optimizer makes them at its first step, and a requeued job's engine makes them for the load,
+``DeepSpeedEngine.load_targets``): ``torch.optim``'s ``load_state_dict`` keeps the loaded
+moments as its state, and DeepSpeed copies the loaded master partition into its own.
+``torch.load`` puts them in fresh memory, whose first touch costs a page fault per page (a host fault on VMs that
 hand free memory back; measured on the development VM, two ranks loading 800 MB partitions: the
 reads that landed in fresh memory took 270-540 ms per 16 MB, against 30-60 ms otherwise). Here
 the file is deserialized by torch's ``weights_only`` unpickler, as
@@ -59,6 +60,9 @@ class LoadTargets:
 
     tensors: dict[Path_, torch.Tensor]
     undo: Callable[[], None]
+    made: bool = False
+    """Whether the engine made some of them for this load (a fresh optimizer's moments): then
+    :meth:`restore` runs ``undo`` (which drops them) even if nothing was read into them."""
     used: bool = False
     claimed: int = 0
     """How many of them a load has read into (the trainer's ``load`` event reports it)."""
@@ -81,10 +85,10 @@ class LoadTargets:
 
     def restore(self) -> None:
         """Undo the reads into the engine's memory (if any): the load was abandoned."""
-        if self.used:
+        if self.used or self.made:
             with torch.no_grad():
                 self.undo()
-            self.used = False
+            self.used = self.made = False
 
 
 class _Loader:

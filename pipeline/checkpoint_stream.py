@@ -55,6 +55,8 @@ WINDOW_BYTES = CHUNK_BYTES * QUEUE_DEPTH
 #: ``madvise`` advice (Linux 5.14+, ``linux/mman.h``): make the pages of a range present and
 #: writable as a write would, without writing (their contents stay as they are).
 MADV_POPULATE_WRITE = 23
+#: The range of one such advice (:func:`prefault`): a multiple of the page size.
+PREFAULT_BYTES = 4 << 20
 
 
 def prefault(storages: list[Any]) -> threading.Thread | None:
@@ -68,6 +70,13 @@ def prefault(storages: list[Any]) -> threading.Thread | None:
     (a requeued job's FSDP load of a 134 M model, 2 ranks): the copy into the optimizer's new
     moments ran at ~1.1 GB/s, into memory already present at ~3.5 GB/s. Where the advice is
     unknown (an older kernel: EINVAL; not Linux) the thread stops at once: an optimisation only.
+
+    One advice per :data:`PREFAULT_BYTES`, not one per storage: the advice holds the process's
+    memory-map lock while it faults its whole range, and every ``mmap``/``munmap`` of the
+    loading threads (the allocator's large blocks) waits for it, and the page faults queued
+    behind that writer with them. Measured on the development VM (DeepSpeed, each load in a new
+    process, 2 ranks, 536 MB of moments per rank made at the load's start): 4 loads in 4 MiB
+    pieces at 0.60-0.81x ``dd``, in one piece per storage 0.43-0.56x (two runs).
     """
     page = mmap.PAGESIZE
     regions = [(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes() >= 2 * page]
@@ -83,9 +92,12 @@ def prefault(storages: list[Any]) -> threading.Thread | None:
         for address, nbytes in regions:
             start = -(-address // page) * page  # whole pages only: the ends may be shared
             end = (address + nbytes) // page * page
-            failed = end > start and madvise(start, end - start, MADV_POPULATE_WRITE) != 0
-            if failed and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
-                return  # the kernel does not know the advice
+            while start < end:
+                step = min(end - start, PREFAULT_BYTES)
+                if (madvise(start, step, MADV_POPULATE_WRITE) != 0
+                        and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)):
+                    return  # the kernel does not know the advice
+                start += step
 
     thread = threading.Thread(target=run, args=(list(storages),), name="ckpt-prefault",
                               daemon=True)

@@ -164,3 +164,79 @@ def test_a_partition_is_verified_block_by_block_into_the_engines_memory(tmp_path
     assert why is not None and "bytes 8388608-12582912 do not match" in why and not refused
     assert not out.loaded and all(bool((t == 7.0).all()) for t in old)  # undone
     out.release()
+
+
+_FRESH_ENGINE = r"""
+import socket, sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import deepspeed
+
+from pipeline.train.engines import DeepSpeedEngine
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+       "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.1}}}
+
+
+def engine():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 16)
+    return deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+
+
+def step(e):
+    loss = e(torch.ones(1, 16)).square().sum()
+    e.backward(loss)
+    e.step()
+    return torch.cat([p.detach().flatten() for p in e.module.parameters()])
+
+
+used = engine()
+inner = used.optimizer.optimizer
+assert not inner.state  # DeepSpeed's base optimizer makes its state at its first step
+targets = DeepSpeedEngine.load_targets(SimpleNamespace(engine=used, pp=1, tp=1))
+keys = sorted(str(k[-1]) for k in targets.tensors)
+assert keys == ["0", "exp_avg", "exp_avg_sq"] and targets.made and not targets.used, keys
+assert sorted(inner.state[inner.param_groups[0]["params"][0]]) == ["exp_avg", "exp_avg_sq", "step"]
+# A load abandoned before it read anything (another rank found damage): the uninitialized
+# moments made for it are dropped, and the engine steps exactly as one that never resumed.
+targets.restore()
+assert not inner.state
+assert torch.equal(step(used), step(engine()))
+print("OK")
+"""
+
+
+def test_a_fresh_deepspeed_engine_makes_its_moments_for_a_load_and_drops_them_if_abandoned() -> None:
+    """``DeepSpeedEngine.load_targets`` on a requeued job's engine (no optimizer state yet):
+    the base optimizer's moments are made for the partition to be read into, and an abandoned
+    load leaves no uninitialized state behind (real DeepSpeed, one gloo process)."""
+    import subprocess
+
+    from tests.conftest import PY, REPO, subprocess_env
+
+    res = subprocess.run([str(PY), "-c", _FRESH_ENGINE], cwd=REPO,
+                         env=subprocess_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr[-3000:]
+
+
+def test_moments_made_for_a_load_are_dropped_unless_the_engine_took_them(tmp_path: Path) -> None:
+    """``VerifiedFiles.release``: tensors the engine made for a load (``LoadTargets.made``:
+    a fresh optimizer's uninitialized moments) are undone when the load did not take them, also
+    where this rank read nothing (another rank found damage first), and left alone once the
+    engine's load took the partition read into them."""
+    from pipeline.checkpoint_read import VerifiedFiles
+
+    for handed, expect_undone in ((False, True), (True, False)):
+        targets, undone = _targets({("m",): torch.zeros(4)})
+        targets.made = True
+        out = VerifiedFiles(tmp_path, targets=targets, handed=handed)
+        out.release()
+        assert bool(undone) is expect_undone and targets.made is not expect_undone
