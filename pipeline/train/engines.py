@@ -365,8 +365,8 @@ class DeepSpeedEngine:
         A requeued job's engine has no moments yet (the base optimizer makes them at its first
         step): in pure data parallel they are made here, uninitialized
         (:func:`adamw_state_for_load`), and their pages faulted in from the load's start on,
-        overlapping its first reads (the model states' check), so the
-        partition is read into them as into the masters and DeepSpeed keeps them as its state.
+        overlapping its first reads (the model states' check), so the partition is read into
+        them as into the masters and DeepSpeed keeps them as its state.
         Uninitialized is safe: the load replaces the whole state or is abandoned, and then the
         undo drops what was made here (``LoadTargets.made``). Measured on the development VM
         (134 M model, 2 ranks, each load in a new process, alternating in one run, 5 pairs):
