@@ -128,8 +128,7 @@ def restored_digests(engine: Any) -> list[str]:
     import torch
     import xxhash
 
-    masters = getattr(getattr(engine, "engine", None), "optimizer", None)
-    masters = list(getattr(masters, "single_partition_of_fp32_groups", []))
+    masters = replaced_state(engine)
     inner = _optimizer(engine)
     moments = [v for g in inner.param_groups for p in g["params"]
                for k, v in sorted(inner.state.get(p, {}).items())

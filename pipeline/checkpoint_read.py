@@ -258,7 +258,7 @@ class VerifiedFiles:
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
             rel = self._rel(path)
             if rel in self.loaded and str(map_location or "cpu") == "cpu":
-                self.handed = self.targets is not None
+                self.handed = True
                 return self.loaded.pop(rel)
             view = self.get(path)
             with _MemoryFile(view) if view is not None else open(path, "rb") as g:
