@@ -41,6 +41,7 @@ def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> launch.NodeTask:
     monkeypatch.setattr(launch.os, "_exit", _exit)
     t = launch.NodeTask(str(tmp_path), str(tmp_path / "data"), 1, 2,
                         LaunchOptions(signal_delay_s=60, max_requeues=3))
+    t._attempt = "42.0"  # what _run_slurm names this job's first attempt
     return t
 
 
@@ -64,7 +65,7 @@ def test_stop_recorded_by_a_rank_0_on_another_node_is_waited_for(task: launch.No
     # elsewhere, wrote stopped.json.
     task._proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     task._proc.wait()
-    th = _later(run_dir / "stopped.json", {"step": 17}, 3.5)
+    th = _later(run_dir / "stopped.json", {"step": 17, "attempt": "42.0"}, 3.5)
     task.local_env = {"CUDA_VISIBLE_DEVICES": "3"}
     out = task.checkpoint()
     th.join()
@@ -104,3 +105,39 @@ def test_a_crash_without_an_outcome_still_requeues_within_the_lead_time(
     assert isinstance(out, submitit.helpers.DelayedSubmission)
     saved = [e for e in _events(run_dir) if e["event"] == "launch.saved"]
     assert saved[0]["stopped_at"] is None and saved[0]["rc"] == 1
+
+
+def _local_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> launch.NodeTask:
+    """A local NodeTask whose "torchrun" is ``script`` (a real process that exits at once)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    t = launch.NodeTask(str(tmp_path), str(tmp_path / "data"), 1, 1,
+                        LaunchOptions(max_failures=1))
+    monkeypatch.setattr(t, "_argv", lambda node: [sys.executable, "-c", script])
+    return t
+
+
+def test_a_stop_of_the_previous_attempt_is_not_taken_for_this_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The previous attempt stopped a moment ago (its stopped.json is newer than this attempt's
+    # start by any clock's reckoning); this attempt fails before training: a failure, which the
+    # launcher must not report as a stop (the job would requeue as if it had saved).
+    run_dir = tmp_path
+    (run_dir / "stopped.json").write_text(json.dumps({"step": 5, "attempt": "local.old"}))
+    task = _local_task(tmp_path, monkeypatch, "raise SystemExit(1)")
+    with pytest.raises(RuntimeError, match="not retried"):
+        task._run_local(None)
+    ends = [e["outcome"] for e in _events(run_dir) if e["event"] == "launch.end"]
+    assert ends == ["failed"]
+
+
+def test_a_stop_of_this_attempt_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 names the attempt from the environment the launcher gave torchrun.
+    script = ("import json, os, sys; open(sys.argv[1], 'w').write(json.dumps("
+              "{'step': 9, 'attempt': os.environ['ZEROSNAKE_ATTEMPT']})); raise SystemExit(1)")
+    task = _local_task(tmp_path, monkeypatch, script)
+    monkeypatch.setattr(task, "_argv", lambda node: [sys.executable, "-c", script,
+                                                     str(tmp_path / "stopped.json")])
+    out = task._run_local(None)
+    assert out["stopped"]["step"] == 9
+    ends = [e["outcome"] for e in _events(tmp_path) if e["event"] == "launch.end"]
+    assert ends == ["stopped"]

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from pipeline.artifacts import (
     read_train_done,
 )
 from pipeline.distenv import (
+    ATTEMPT_ENV,
     NodeEnv,
     node_env_from_slurm,
     partition_nodes,
@@ -138,16 +140,18 @@ class NodeTask(submitit.helpers.Checkpointable):
         self._node: NodeEnv | None = None
         self._rdzv_error = False
         self._hung: list[Stale] = []
+        #: The attempt in flight (``ATTEMPT_ENV``): its stopped.json, and no other, is its stop.
+        self._attempt: str | None = None
         #: Environment the local launcher restores for torchrun (see :func:`local_gpu_env`).
         self.local_env: dict[str, str | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A requeue pickles the task again: the running process is not part of its state.
         return {**self.__dict__, "_proc": None, "_node": None, "_rdzv_error": False,
-                "_hung": []}
+                "_hung": [], "_attempt": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_hung": [], **state})
+        self.__dict__.update({"_hung": [], "_attempt": None, **state})
 
     @property
     def opts(self) -> LaunchOptions:
@@ -190,14 +194,17 @@ class NodeTask(submitit.helpers.Checkpointable):
         job_id = _job_id()
         while True:
             started = time.time()
+            # One name per try of this loop: a Slurm allocation's ids repeat across them.
+            self._attempt = f"{job_id}.{uuid.uuid4().hex}"
             append_event(run_dir, "launch.attempt", job_id=job_id, launcher="local", host=host,
                          nnodes=1)
-            self._proc = subprocess.Popen(self._argv(node), env=self._local_child_env())
+            env = {**(self._local_child_env() or os.environ), ATTEMPT_ENV: self._attempt}
+            self._proc = subprocess.Popen(self._argv(node), env=env)
             rc = self._supervise()
             if rc == 0 and (run_dir / TRAIN_DONE).exists():
                 append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="done")
                 return read_train_done(run_dir)
-            stopped = None if self._hung else self._fresh_stopped(started)
+            stopped = None if self._hung else self._fresh_stopped()
             if stopped is not None:
                 append_event(run_dir, "launch.end", job_id=job_id, rc=rc, outcome="stopped")
                 return {"stopped": stopped}
@@ -307,12 +314,13 @@ class NodeTask(submitit.helpers.Checkpointable):
         run_dir = Path(self.run_dir)
         host = socket.gethostname()
         started = time.time()
+        self._attempt = f"{node.job_id}.{node.restart_count}"  # the same on every node
         self._node_record(host=host, node_rank=node.node_rank, restart=node.restart_count,
                           job_id=node.job_id, start=started, rc=None)
         if node.node_rank == 0:
             append_event(run_dir, "launch.attempt", job_id=node.job_id,
                          restart=node.restart_count, host=host, nnodes=node.nnodes)
-        env = {**os.environ, **self.policy.job_env}
+        env = {**os.environ, **self.policy.job_env, ATTEMPT_ENV: self._attempt}
         self._proc = subprocess.Popen(self._argv(node), env=env, stderr=subprocess.PIPE,
                                       preexec_fn=_ignore_usr2)
         tee = threading.Thread(target=self._tee_stderr, args=(self._proc.stderr,), daemon=True)
@@ -333,7 +341,7 @@ class NodeTask(submitit.helpers.Checkpointable):
         # torchrun reports a rank's EXIT_REQUEUE as a failure (its own exit status is 1): a
         # stop request is recognized by the stopped.json rank 0 writes after the save.
         stopped = None if self._hung else self._fresh_stopped(
-            started, wait_s=10 if rc != EXIT_REQUEUE else 0)
+            wait_s=10 if rc != EXIT_REQUEUE else 0)
         if stopped is not None:
             # With a signal, checkpoint() takes over on the head node (it runs in this
             # process); a STOP file put there by a user ends the job here.
@@ -355,17 +363,16 @@ class NodeTask(submitit.helpers.Checkpointable):
             time.sleep(0.2)
         return True
 
-    def _fresh_stopped(self, since: float, wait_s: float = 0) -> dict[str, Any] | None:
-        """stopped.json if rank 0 wrote it after ``since`` (an older one is a past attempt's)."""
+    def _fresh_stopped(self, wait_s: float = 0) -> dict[str, Any] | None:
+        """stopped.json if this attempt's rank 0 wrote it (waiting up to ``wait_s``): one that
+        names another attempt is a past attempt's, however recent (a time stamp cannot tell an
+        attempt that failed within a second of the previous one's stop)."""
         path = Path(self.run_dir) / STOPPED
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                fresh = path.stat().st_mtime >= since - 1
-            except OSError:
-                fresh = False
-            rec = read_json_or_none(path) if fresh else None
-            if rec is not None:
+            rec = read_json_or_none(path)
+            if isinstance(rec, dict) and self._attempt is not None \
+                    and rec.get("attempt") == self._attempt:
                 return rec
             if time.monotonic() >= deadline:
                 return None
@@ -469,7 +476,7 @@ class NodeTask(submitit.helpers.Checkpointable):
             # the lead time (less a few seconds to requeue) is cut short.
             deadline = time.monotonic() + max(policy.signal_delay_s - 5, 10)
             while stopped is None and time.monotonic() < deadline:
-                stopped = self._fresh_stopped(t0)
+                stopped = self._fresh_stopped()
                 rc = self._proc.poll()
                 if rc is not None:
                     # This node's torchrun ended; rank 0 (maybe on another node) writes either
@@ -479,7 +486,7 @@ class NodeTask(submitit.helpers.Checkpointable):
                     # expires: wait up to the save deadline, at least a few seconds.
                     deadline = max(deadline, time.monotonic() + 5)
                     while stopped is None and time.monotonic() < deadline:
-                        stopped = self._fresh_stopped(t0)
+                        stopped = self._fresh_stopped()
                         if rc == 0 and self._wait_done(wait_s=0):
                             break
                         time.sleep(0.2)

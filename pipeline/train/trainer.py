@@ -42,7 +42,7 @@ from pipeline.artifacts import (
 from pipeline.checkpoint_manager import CheckpointManager
 from pipeline.config import RunConfig
 from pipeline.config_files import load_run_config
-from pipeline.distenv import RankEnv
+from pipeline.distenv import ATTEMPT_ENV, RankEnv
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
 from pipeline.model import build_model, device_peak_flops, model_flops_per_token
@@ -358,7 +358,8 @@ class Trainer:
                 self.wait_for_save()  # the requeued job resumes from this very checkpoint
                 self.rec.event("stop", step=state.step)
                 if self.env.rank == 0:
-                    write_json_atomic(self.run_dir / STOPPED, {"step": state.step})
+                    write_json_atomic(self.run_dir / STOPPED, {
+                        "step": state.step, "attempt": os.environ.get(ATTEMPT_ENV)})
                 return EXIT_REQUEUE
         self.finish()
         return EXIT_OK
