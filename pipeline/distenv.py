@@ -7,13 +7,14 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-#: Rendezvous ports are derived from the job id so that two jobs sharing a head node do not
-#: collide; the range stays clear of the ephemeral ports Linux hands out (32768+).
 #: Environment variable naming one launch attempt (the launcher sets it for torchrun; rank 0
 #: copies it into stopped.json): the launcher takes a stopped.json as its attempt's only when
 #: the names match, so an attempt that fails moments after the previous one stopped is not
 #: read as stopped. Every node of a Slurm attempt derives the same name (job id, restart).
 ATTEMPT_ENV = "ZEROSNAKE_ATTEMPT"
+
+#: Rendezvous ports are derived from the job id so that two jobs sharing a head node do not
+#: collide; the range stays clear of the ephemeral ports Linux hands out (32768+).
 PORT_BASE = 20000
 PORT_SPAN = 10000
 
