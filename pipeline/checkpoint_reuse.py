@@ -8,8 +8,7 @@ moments as its state, and DeepSpeed copies the loaded master partition into its 
 ``torch.load`` puts them in fresh memory, whose first touch costs a page fault per page (a host
 fault on VMs that hand free memory back; measured on the development VM, two ranks loading
 800 MB partitions: the reads that landed in fresh memory took 270-540 ms per 16 MB, against
-30-60 ms otherwise). Here
-the file is deserialized by torch's ``weights_only`` unpickler, as
+30-60 ms otherwise). Here the file is deserialized by torch's ``weights_only`` unpickler, as
 ``torch.load(weights_only=True)`` does, but in two steps: the pickle first, with storages that
 are only reserved (no page is touched), then the storages' bytes, each read straight into the
 engine's tensor that holds the same thing (:class:`LoadTargets`: the engine names its tensors by

@@ -107,12 +107,14 @@ def test_a_crash_without_an_outcome_still_requeues_within_the_lead_time(
     assert saved[0]["stopped_at"] is None and saved[0]["rc"] == 1
 
 
-def _local_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> launch.NodeTask:
-    """A local NodeTask whose "torchrun" is ``script`` (a real process that exits at once)."""
+def _local_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str,
+                *args: str) -> launch.NodeTask:
+    """A local NodeTask whose "torchrun" is ``script`` with ``args`` (a real process that exits
+    at once)."""
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     t = launch.NodeTask(str(tmp_path), str(tmp_path / "data"), 1, 1,
                         LaunchOptions(max_failures=1))
-    monkeypatch.setattr(t, "_argv", lambda node: [sys.executable, "-c", script])
+    monkeypatch.setattr(t, "_argv", lambda node: [sys.executable, "-c", script, *args])
     return t
 
 
@@ -134,9 +136,7 @@ def test_a_stop_of_this_attempt_is_taken(tmp_path: Path, monkeypatch: pytest.Mon
     # Rank 0 names the attempt from the environment the launcher gave torchrun.
     script = ("import json, os, sys; open(sys.argv[1], 'w').write(json.dumps("
               "{'step': 9, 'attempt': os.environ['ZEROSNAKE_ATTEMPT']})); raise SystemExit(1)")
-    task = _local_task(tmp_path, monkeypatch, script)
-    monkeypatch.setattr(task, "_argv", lambda node: [sys.executable, "-c", script,
-                                                     str(tmp_path / "stopped.json")])
+    task = _local_task(tmp_path, monkeypatch, script, str(tmp_path / "stopped.json"))
     out = task._run_local(None)
     assert out["stopped"]["step"] == 9
     ends = [e["outcome"] for e in _events(tmp_path) if e["event"] == "launch.end"]
