@@ -501,6 +501,19 @@ def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> 
             and usable_blocks(info) is not None)
 
 
+def weights_unread(files: dict[str, dict[str, Any]], targets: Any) -> frozenset[str]:
+    """The DeepSpeed model-states files nobody verifies beforehand: where the engine rebuilds
+    the weights they hold from its master partition (``targets.weights``), its read of them
+    takes only their pickle, block by block as it reads (those with block checksums;
+    :meth:`VerifiedFiles._load_without_weights`). The weights' bytes are then read by no one:
+    the resume does not use them."""
+    if targets is None or targets.weights is None:
+        return frozenset()
+    return frozenset(rel for rel in files
+                     if _DS_MODEL.search(rel) and files[rel]["bytes"] > KEEP_BYTES
+                     and usable_blocks(files[rel]))
+
+
 def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
     """The entry's block checksums if the reader's windows can check them (a block size that
     divides a window), else None."""
@@ -581,11 +594,8 @@ def verify_collective(path: Path, rank: int, world: int,
                 and any(_is_partition(rel) for rel in files)):
             targets = reuse()
         parts = split_shared(files, who, rank)
-        unread: frozenset[str] = frozenset()
-        if targets is not None and targets.weights is not None:
-            unread = frozenset(rel for rel in files
-                               if _DS_MODEL.search(rel) and usable_blocks(files[rel]))
-            parts = {rel: share for rel, share in parts.items() if rel not in unread}
+        unread = weights_unread(files, targets)
+        parts = {rel: share for rel, share in parts.items() if rel not in unread}
         mine_now = [rel for rel in mine[rank] if rel not in unread]
         cache, why, refused = verify_local(path, files, mine_now, once, targets, parts)
         cache.unread = unread

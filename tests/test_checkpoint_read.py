@@ -235,3 +235,57 @@ def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Pat
         assert verdicts[bad][1] is False  # damage, not a refusal
         data[offset] ^= 1
         (path / rel).write_bytes(bytes(data))
+
+
+def _model_states(root: Path, weights: dict) -> tuple[Path, str, dict]:
+    """A DeepSpeed-named model-states file of ``weights`` (several 4 MiB blocks) in a finalized
+    checkpoint: (folder, its path there, its manifest entries)."""
+    from pipeline import fastio
+
+    rel = "ds/ds/mp_rank_00_model_states.pt"
+    tmp = ck.tmp_dir(root, 1)
+    (tmp / "ds/ds").mkdir(parents=True)
+    digests = fastio.Digests()
+    fastio.torch_save({"module": weights, "global_steps": 7, "buffer_names": []}, tmp / rel,
+                      digests)
+    path = ck.finalize(root, 1, {"world_size": 2}, keep_last=5, known=digests.relative_to(tmp))
+    return path, rel, json.loads((path / ck.MANIFEST).read_text())["files"]
+
+
+def test_weights_the_engine_rebuilds_are_not_read_and_the_pickle_is_block_checked(
+        tmp_path: Path) -> None:
+    import pytest
+    import torch
+
+    from pipeline.checkpoint_reuse import EngineWeights, LoadTargets
+    from pipeline.checkpoint_stream import CheckpointDamaged
+
+    saved = {"a.weight": torch.randn(3_000_000), "b.weight": torch.randn(1000, 2000)}
+    path, rel, files = _model_states(tmp_path, saved)
+    size = files[rel]["bytes"]
+    assert len(files[rel]["blocks"]["xxh3_64"]) >= 5
+    own = {k: torch.zeros_like(v) for k, v in saved.items()}  # the engine's (stale) weights
+
+    def load(weights: dict) -> tuple[object, LoadTargets]:
+        targets = LoadTargets({}, lambda: None, weights=lambda: weights)
+        assert cr.weights_unread(files, None) == frozenset()
+        unread = cr.weights_unread(files, targets)
+        assert unread == {rel}  # nobody verifies it beforehand ...
+        out, why, _ = cr.verify_local(path, files, [], parts={})
+        assert why is None
+        out.targets, out.unread = targets, unread
+        return out.ds_loader()(path / rel), targets  # ... its pickle is checked as it is read
+
+    _flip(path / rel, size // 2)  # damage in the weights' bytes, which the resume does not use
+    got, targets = load(own)
+    assert isinstance(got["module"], EngineWeights) and got["global_steps"] == 7
+    assert all(got["module"][k] is own[k] for k in own) and targets.weights_skipped
+    # Other names or shapes than the engine's: the file is read whole, every block checked.
+    with pytest.raises(CheckpointDamaged, match="block checksum"):
+        load({"a.weight": own["a.weight"]})
+    _flip(path / rel, size // 2)
+    got, targets = load({"a.weight": own["a.weight"]})
+    assert not targets.weights_skipped and torch.equal(got["module"]["b.weight"], saved["b.weight"])
+    _flip(path / rel, 100)  # damage in the pickle: found as the engine reads it
+    with pytest.raises(CheckpointDamaged, match="block checksum"):
+        load(own)
