@@ -65,9 +65,6 @@ class CheckpointManager:
         self.read_into_engine = 0
         """How many of the engine's tensors that load read straight into (its ``reuse``
         targets, :mod:`pipeline.checkpoint_reuse`), not into fresh memory."""
-        self.weights_rebuilt = False
-        """Whether that load left the checkpoint's copy of the module weights unread and the
-        engine rebuilt them from the master partition (``LoadTargets.weights``)."""
 
     @classmethod
     def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
@@ -177,7 +174,6 @@ class CheckpointManager:
             if verified is not None:
                 verified.release()
         self.read_into_engine = 0 if targets is None else targets.claimed
-        self.weights_rebuilt = targets is not None and targets.weights_skipped
         loader.load_state_dict(state.loader)
         if saved_world == self.world_size:
             load_rng(path, self.rank)

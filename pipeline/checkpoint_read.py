@@ -196,10 +196,6 @@ class VerifiedFiles:
     """Whether the engine's load took a partition read into ``targets`` (then :meth:`release`
     leaves them as they are: they are the engine's state now)."""
     windows: Windows = field(default_factory=Windows)
-    unread: frozenset[str] = frozenset()
-    """DeepSpeed model-states files not verified beforehand: the engine rebuilds the weights
-    they hold from the master partition (``targets.weights``), so the engine's read of them
-    takes only their pickle, block-checked as it is read (:meth:`_load_without_weights`)."""
 
     def _rel(self, path: str | os.PathLike) -> str | None:
         try:
@@ -265,10 +261,6 @@ class VerifiedFiles:
                 self.handed = True
                 return self.loaded.pop(rel)
             view = self.get(path)
-            kept_states = (view is not None and _DS_MODEL.search(Path(path).name) is not None
-                           and self.targets is not None and self.targets.weights is not None)
-            if rel in self.unread or kept_states:
-                return self._load_without_weights(Path(path), rel, view)
             with _MemoryFile(view) if view is not None else open(path, "rb") as g:
                 classes = ds_classes(g, Path(path))
             if view is None and _DS_MODEL.search(Path(path).name):
@@ -288,31 +280,6 @@ class VerifiedFiles:
                 return load_ds_stream(f, Path(path), classes, map_location)
 
         return load
-
-    def _load_without_weights(self, path: Path, rel: str, view: memoryview | None) -> Any:
-        """DeepSpeed's model states ``rel``, kept (``view``) or in :attr:`unread` (then read
-        through a block-checking stream): its pickle, with the engine's own weights in the place
-        of the file's copy, which is not read (``LoadTargets.weights``); read whole if the file
-        holds other tensors. Damage raises
-        :class:`~pipeline.checkpoint_stream.CheckpointDamaged` (every rank reads these blocks:
-        they all fail together, before the engine changed anything)."""
-        from pipeline.checkpoint_reuse import EngineWeights, load_reusing
-
-        assert self.targets is not None and self.targets.weights is not None
-        with _MemoryFile(view) if view is not None else self.open(path) as f:
-            try:
-                classes = ds_classes(f, path)
-                f.seek(0)
-                got = load_reusing(f, self.digests[rel][0], str(path), classes, None,
-                                   weights=self.targets.weights())
-            except PipelineError:
-                damage = getattr(f, "damage", None)
-                if damage is not None:  # torch's unpickler wraps what the stream raised
-                    raise damage from None
-                raise
-        if isinstance(got, dict) and isinstance(got.get("module"), EngineWeights):
-            self.targets.weights_skipped = True
-        return got
 
     def release(self) -> None:
         """Drop the kept bytes, what the engine did not take and the read buffers (after the
@@ -501,19 +468,6 @@ def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> 
             and usable_blocks(info) is not None)
 
 
-def weights_unread(files: dict[str, dict[str, Any]], targets: Any) -> frozenset[str]:
-    """The DeepSpeed model-states files nobody verifies beforehand: where the engine rebuilds
-    the weights they hold from its master partition (``targets.weights``), its read of them
-    takes only their pickle, block by block as it reads (those with block checksums;
-    :meth:`VerifiedFiles._load_without_weights`). The weights' bytes are then read by no one:
-    the resume does not use them."""
-    if targets is None or targets.weights is None:
-        return frozenset()
-    return frozenset(rel for rel in files
-                     if _DS_MODEL.search(rel) and files[rel]["bytes"] > KEEP_BYTES
-                     and usable_blocks(files[rel]))
-
-
 def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
     """The entry's block checksums if the reader's windows can check them (a block size that
     divides a window), else None."""
@@ -594,11 +548,7 @@ def verify_collective(path: Path, rank: int, world: int,
                 and any(_is_partition(rel) for rel in files)):
             targets = reuse()
         parts = split_shared(files, who, rank)
-        unread = weights_unread(files, targets)
-        parts = {rel: share for rel, share in parts.items() if rel not in unread}
-        mine_now = [rel for rel in mine[rank] if rel not in unread]
-        cache, why, refused = verify_local(path, files, mine_now, once, targets, parts)
-        cache.unread = unread
+        cache, why, refused = verify_local(path, files, mine[rank], once, targets, parts)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

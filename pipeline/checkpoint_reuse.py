@@ -63,13 +63,6 @@ class LoadTargets:
     made: bool = False
     """Whether the engine made some of them for this load (a fresh optimizer's moments): then
     :meth:`restore` runs ``undo`` (which drops them) even if nothing was read into them."""
-    weights: Callable[[], dict[str, torch.Tensor]] | None = None
-    """The engine's module state (its own parameter tensors, by name) where the engine rebuilds
-    its weights from the master partition after a load: then the checkpoint's copy of the
-    weights need not be read (:func:`load_reusing`'s ``weights``). None: it must be."""
-    weights_skipped: bool = False
-    """Whether a load stood the engine's own tensors in for the checkpoint's weights
-    (:class:`EngineWeights`): the engine must then rebuild them from the masters."""
     used: bool = False
     claimed: int = 0
     """How many of them a load has read into (the trainer's ``load`` event reports it)."""
@@ -96,12 +89,6 @@ class LoadTargets:
             with torch.no_grad():
                 self.undo()
             self.used = self.made = False
-
-
-class EngineWeights(dict):
-    """The engine's own module state standing in for a checkpoint's copy of the weights, which
-    was not read (:func:`load_reusing`'s ``weights``): loading it into the module is a no-op;
-    the engine rebuilds the weights from the master partition it loaded."""
 
 
 class _Loader:
@@ -138,24 +125,6 @@ class _Loader:
         up = wo.Unpickler(f, encoding="utf-8")
         up.persistent_load = persistent  # type: ignore[method-assign]
         return up.load()
-
-    def stand_in(self, result: Any, weights: dict[str, torch.Tensor]) -> bool:
-        """Put ``weights`` (:class:`EngineWeights`) in the place of ``result["module"]`` if that
-        is all the file's storages hold and it has the same names, shapes and dtypes; then no
-        storage needs to be read. False (nothing changed) otherwise: the file is read whole."""
-        module = result.get("module") if isinstance(result, dict) else None
-        if not isinstance(module, dict) or set(module) != set(weights) or self.into:
-            return False
-        held = set()
-        for name, t in module.items():
-            w = weights[name]
-            if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype != w.dtype:
-                return False
-            held.add(t.untyped_storage().data_ptr())
-        if any(s._untyped_storage.data_ptr() not in held for s in self.storages.values()):
-            return False  # another tensor (e.g. frozen parameters' fragments) must be read
-        result["module"] = EngineWeights(weights)
-        return True
 
     def bind(self, result: Any, targets: LoadTargets | None) -> Any:
         """Bind the storages of the tensors at the targets' paths to the engine's tensors, and
@@ -216,8 +185,7 @@ def _rebind(obj: Any, bound: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None,
-                 weights: dict[str, torch.Tensor] | None) -> Any:
+def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None) -> Any:
     from torch import _weights_only_unpickler as wo
 
     if wo.load(f, encoding="utf-8") != _LEGACY_MAGIC:
@@ -233,8 +201,6 @@ def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None
         return loader.storage(storage_dtype(storage_type), str(key), numel)
 
     result = loader.bind(loader.unpickle(f, persistent), targets)
-    if weights is not None and loader.stand_in(result, weights):
-        return result
     keys = wo.load(f, encoding="utf-8")
     if not isinstance(keys, list):
         raise PipelineError(f"{name}: its list of storages is a {type(keys).__name__}, not a list")
@@ -251,8 +217,8 @@ def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None
     return result
 
 
-def _load_zip(f: Any, size: int, name: str, loader: _Loader, targets: LoadTargets | None,
-              weights: dict[str, torch.Tensor] | None) -> Any:
+def _load_zip(f: Any, size: int, name: str, loader: _Loader,
+              targets: LoadTargets | None) -> Any:
     whole = Slice(f, 0, size)
     infos = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(whole).infolist()}
     pkl = infos.get("data.pkl")
@@ -269,8 +235,6 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader, targets: LoadTarget
         return loader.storage(storage_dtype(storage_type), str(key), numel)
 
     result = loader.bind(loader.unpickle(io.BytesIO(pickled), persistent), targets)
-    if weights is not None and loader.stand_in(result, weights):
-        return result
     records = []
     for key, s in loader.storages.items():
         info = infos.get(f"data/{key}")
@@ -287,24 +251,18 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader, targets: LoadTarget
 
 
 def load_reusing(f: Any, size: int, name: str, classes: list[Any],
-                 targets: LoadTargets | None,
-                 weights: dict[str, torch.Tensor] | None = None) -> Any:
+                 targets: LoadTargets | None) -> Any:
     """``torch.load(f, weights_only=True)`` with ``classes`` allowed too, on the CPU, reading
     the storage of each tensor found at a path of ``targets`` into that engine tensor's memory
-    (``f``: seekable, ``size`` bytes). On a failure the caller calls ``targets.restore()``.
-
-    ``weights`` (the engine's own module state): if the file's tensors are all its
-    ``"module"`` and match these by name, shape and dtype (DeepSpeed's model states at ZeRO 1-2,
-    :class:`LoadTargets`' ``weights``), only the pickle is read and ``"module"`` is
-    ``EngineWeights(weights)``: the engine rebuilds its weights from the master partition."""
+    (``f``: seekable, ``size`` bytes). On a failure the caller calls ``targets.restore()``."""
     start = f.read(4)
     f.seek(0)
     loader = _Loader()
     try:
         with torch.serialization.safe_globals(classes):
             if start == b"PK\x03\x04":
-                return _load_zip(f, size, name, loader, targets, weights)
-            return _load_legacy(f, name, loader, targets, weights)
+                return _load_zip(f, size, name, loader, targets)
+            return _load_legacy(f, name, loader, targets)
     except pickle.UnpicklingError as err:
         raise PipelineError(f"{name}: refused to unpickle ({str(err).splitlines()[0]})") from None
     except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as err:

@@ -254,16 +254,6 @@ class FSDPEngine:
             self.model.train()
 
 
-def _load_module(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """DeepSpeed's module load (``custom_load_fn``): the module's own tensors standing in for
-    weights not read (``EngineWeights``) need no copy; anything else loads strictly, as
-    DeepSpeed's default does."""
-    from pipeline.checkpoint_reuse import EngineWeights
-
-    if not isinstance(src, EngineWeights):
-        dst.load_state_dict(src, strict=True)
-
-
 class DeepSpeedEngine:
     """The DeepSpeed engine with the rendered ``ds_config.json`` (ZeRO stage, offload, bf16).
 
@@ -417,23 +407,7 @@ class DeepSpeedEngine:
             for v in moments:
                 v.zero_()
 
-        return LoadTargets(tensors, undo, made=made, weights=self._rebuildable_weights())
-
-    def _rebuildable_weights(self) -> Any:
-        """The module state's getter where a load may leave the model-states file's copy of
-        the weights unread and rebuild them from the loaded fp32 master partition instead
-        (``update_lp_params``: the copy and all-gather of DeepSpeed's own step, so the same
-        bits); else None. Only in pure data parallel, with DeepSpeed restoring its masters from
-        the partition (``load_from_fp32_weights``), and with a module state of parameters only
-        (a persistent buffer lives in the model states alone)."""
-        opt, module = self.engine.optimizer, self.engine.module
-        if (self.pp > 1 or self.tp > 1 or not hasattr(opt, "update_lp_params")
-                or not self.engine.zero_load_from_fp32_weights()):
-            return None
-        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-        if set(module.state_dict(keep_vars=True)) != params:
-            return None
-        return module.state_dict
+        return LoadTargets(tensors, undo, made=made)
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
@@ -452,22 +426,14 @@ class DeepSpeedEngine:
             check_ds_files(ckpt / "ds")
         ce = self.engine.checkpoint_engine
         ce.load = load_ds_file_for_engine if verified is None else verified.ds_loader()
-        targets = getattr(verified, "targets", None)
-        # (DeepSpeed's pipeline engine refuses a custom_load_fn: passed only where needed.)
-        custom = {"custom_load_fn": _load_module} if getattr(targets, "weights", None) else {}
         try:
             path, _ = self.engine.load_checkpoint(
-                str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True,
-                **custom)
+                str(ckpt), tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         finally:
             del ce.load  # back to the class's method
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt}")
-        if targets is not None and targets.weights_skipped:
-            # The model states' weights were not read (load_targets): the module's weights
-            # from the masters just loaded, as DeepSpeed's step makes them (collective; every
-            # rank read the same model states, so every rank is here).
-            self.engine.optimizer.update_lp_params()
 
     def _load_universal(self, folder: Path) -> None:
         """Another world size: DeepSpeed's universal checkpoint (``pipeline.checkpoint_universal``

@@ -250,8 +250,7 @@ class Trainer:
         self.state = self.ckpt.load(path, self.engine, self.loader)
         assert self.ckpt.loaded is not None
         self.rec.event("load", step=self.state.step, seconds=time.perf_counter() - t_load,
-                       read_into_engine=self.ckpt.read_into_engine,
-                       weights_rebuilt=self.ckpt.weights_rebuilt)
+                       read_into_engine=self.ckpt.read_into_engine)
         self.rec.event("start", resumed_from=self.state.step, checkpoint=self.ckpt.loaded.name,
                        **self.layout)
 
