@@ -24,6 +24,9 @@ moments exist), then
 * the same load again, ``--reps`` times, each in a new ``torchrun`` (a requeued job: the
   engine built without a step, no optimizer state; the load makes it, in new memory), checked
   the same way. Both medians are printed; the new process's is the one a user waits for.
+  Beside it, that load's floor on this machine: ``dd``'s time plus the time two new processes
+  at once take to fault in the new memory the load makes (its optimizer state, per rank;
+  ``MADV_POPULATE_WRITE`` as the trainer's prefault), measured after the loads.
 
 ``dd`` in the same run, on the same bytes: right before *each* of ``--reps`` loads, and again
 right after it, ``dd iflag=direct`` reads the checkpoint's own files (every file of at least
@@ -295,8 +298,46 @@ def fresh_load_worker(run_dir: Path, index: int) -> None:
     rep = _timed_load(manager, engine, _params(engine), run_dir / "checkpoints", env_.rank)
     restored = all_restored(engine, json.loads((run_dir / f"digests{env_.rank}.json").read_text()))
     if env_.rank == 0:
-        (run_dir / f"fresh{index}.json").write_text(json.dumps({**rep, "restored": restored}))
+        (run_dir / f"fresh{index}.json").write_text(json.dumps(
+            {**rep, "restored": restored, "new_bytes": state_bytes(engine)}))
     dist.destroy_process_group()
+
+
+def state_bytes(engine: Any) -> int:
+    """Bytes of this rank's optimizer state tensors: the memory a requeued job's load makes."""
+    total = 0
+    for state in _optimizer(engine).state.values():
+        for t in state.values():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if hasattr(local, "untyped_storage") and local.numel() > 1:
+                total += local.untyped_storage().nbytes()
+    return total
+
+
+#: One new process faulting in ``argv[1]`` bytes of new memory in 4 MiB steps with
+#: ``MADV_POPULATE_WRITE``, as ``pipeline.checkpoint_stream.prefault`` does; prints seconds.
+_TOUCH = """
+import ctypes, mmap, sys, time
+n = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+m = mmap.mmap(-1, n)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+t0 = time.perf_counter()
+for off in range(0, n, 4 << 20):
+    if libc.madvise(addr + off, min(4 << 20, n - off), 23):
+        raise SystemExit("MADV_POPULATE_WRITE refused")
+print(time.perf_counter() - t0)
+"""
+
+
+def first_touch_s(nbytes: int, procs: int = 2) -> float:
+    """Seconds for ``procs`` new processes at once to fault in ``nbytes`` of new memory each:
+    what a requeued job's ranks pay for the optimizer state their load makes, on this machine
+    (on a VM that hands free memory back to its host, each page is the host's fault too)."""
+    runs = [subprocess.Popen([sys.executable, "-c", _TOUCH, str(nbytes)],
+                             stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    return max(float(p.communicate()[0]) for p in runs)
 
 
 def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
@@ -405,6 +446,8 @@ def main() -> None:
             r["fresh"] = [torchrun_worker(run, args, "bench.checkpoint", "--fresh-load", str(i),
                                           result=f"fresh{i}.json") for i in range(args.reps)]
             shutil.rmtree(run / "checkpoints", ignore_errors=True)
+            r["touch_s"] = statistics.median(first_touch_s(r["fresh"][0]["new_bytes"])
+                                             for _ in range(3))
             results[backend] = r
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
@@ -442,6 +485,15 @@ def main() -> None:
               f"{median(r['reps']):4.2f}x   (against the mean of the dd reads before and after: "
               f"{median(r['fresh'], True):4.2f}x, {median(r['reps'], True):4.2f}x); every "
               f"load restored the saved state: {restored}")
+        # A requeued job's floor on this machine: the disk at dd's rate plus the new memory its
+        # load makes (Adam's moments), first touched by two new processes at once.
+        new_mb = r["fresh"][0]["new_bytes"] / 1e6
+        floor = statistics.median(mb / rep["dd_read"] + r["touch_s"] for rep in r["fresh"])
+        load = statistics.median(rep["load_s"] for rep in r["fresh"])
+        print(f"  {'':9s} new memory a requeued load makes: {new_mb:.0f} MB per rank, first "
+              f"touched by 2 new processes at once in {r['touch_s']:.2f} s "
+              f"({new_mb / r['touch_s'] / 1e3:.1f} GB/s each); dd + that: {floor:.2f} s, the "
+              f"new-process load {load:.2f} s ({floor / load:4.2f}x that floor)")
 
 
 if __name__ == "__main__":
