@@ -331,13 +331,18 @@ print(time.perf_counter() - t0)
 """
 
 
-def first_touch_s(nbytes: int, procs: int = 2) -> float:
+def first_touch_s(nbytes: int, procs: int = 2) -> float | None:
     """Seconds for ``procs`` new processes at once to fault in ``nbytes`` of new memory each:
     what a requeued job's ranks pay for the optimizer state their load makes, on this machine
-    (on a VM that hands free memory back to its host, each page is the host's fault too)."""
+    (on a VM that hands free memory back to its host, each page is the host's fault too).
+    None where the advice is refused (not Linux 5.14+)."""
     runs = [subprocess.Popen([sys.executable, "-c", _TOUCH, str(nbytes)],
-                             stdout=subprocess.PIPE, text=True) for _ in range(procs)]
-    return max(float(p.communicate()[0]) for p in runs)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for _ in range(procs)]
+    outs = [p.communicate()[0] for p in runs]
+    if any(p.returncode for p in runs):
+        return None
+    return max(float(out) for out in outs)
 
 
 def _timed_load(manager: Any, engine: Any, params: Any, root: Path,
@@ -446,8 +451,8 @@ def main() -> None:
             r["fresh"] = [torchrun_worker(run, args, "bench.checkpoint", "--fresh-load", str(i),
                                           result=f"fresh{i}.json") for i in range(args.reps)]
             shutil.rmtree(run / "checkpoints", ignore_errors=True)
-            r["touch_s"] = statistics.median(first_touch_s(r["fresh"][0]["new_bytes"])
-                                             for _ in range(3))
+            touches = [first_touch_s(r["fresh"][0]["new_bytes"]) for _ in range(3)]
+            r["touch_s"] = None if None in touches else statistics.median(touches)
             results[backend] = r
             mb = r["bytes"] / 1e6
             print(f"{backend:9s} checkpoint {mb:7.0f} MB: save {r['save_s']:5.1f} s "
@@ -488,6 +493,10 @@ def main() -> None:
         # A requeued job's floor on this machine: the disk at dd's rate plus the new memory its
         # load makes (Adam's moments), first touched by two new processes at once.
         new_mb = r["fresh"][0]["new_bytes"] / 1e6
+        if r["touch_s"] is None:
+            print(f"  {'':9s} (first touch of new memory not measured: MADV_POPULATE_WRITE "
+                  "needs Linux 5.14+)")
+            continue
         floor = statistics.median(mb / rep["dd_read"] + r["touch_s"] for rep in r["fresh"])
         load = statistics.median(rep["load_s"] for rep in r["fresh"])
         print(f"  {'':9s} new memory a requeued load makes: {new_mb:.0f} MB per rank, first "
