@@ -499,12 +499,12 @@ def main() -> None:
             print(f"  {'':9s} (first touch of new memory not measured: MADV_POPULATE_WRITE "
                   "needs Linux 5.14+)")
             continue
-        floor = statistics.median(mb / rep["dd_read"] + r["touch_s"] for rep in r["fresh"])
+        serial = statistics.median(mb / rep["dd_read"] + r["touch_s"] for rep in r["fresh"])
         load = statistics.median(rep["load_s"] for rep in r["fresh"])
         print(f"  {'':9s} new memory a requeued load makes: {new_mb:.0f} MB per rank, first "
               f"touched by 2 new processes at once in {r['touch_s']:.2f} s "
               f"({new_mb / r['touch_s'] / 1e3:.1f} GB/s each); dd and that one after the "
-              f"other: {floor:.2f} s, the new-process load {load:.2f} s ({floor / load:4.2f}x "
+              f"other: {serial:.2f} s, the new-process load {load:.2f} s ({serial / load:4.2f}x "
               "that sum)")
 
 
