@@ -504,8 +504,8 @@ def main() -> None:
         print(f"  {'':9s} new memory a requeued load makes: {new_mb:.0f} MB per rank, first "
               f"touched by 2 new processes at once in {r['touch_s']:.2f} s "
               f"({new_mb / r['touch_s'] / 1e3:.1f} GB/s each); dd and that one after the "
-              f"other: {serial:.2f} s, the new-process load {load:.2f} s ({serial / load:4.2f}x "
-              "that sum)")
+              f"other: {serial:.2f} s, the new-process load {load:.2f} s (sum / load: "
+              f"{serial / load:4.2f}x)")
 
 
 if __name__ == "__main__":
