@@ -315,18 +315,19 @@ def state_bytes(engine: Any) -> int:
     return total
 
 
-#: One new process faulting in ``argv[1]`` bytes of new memory in 4 MiB steps with
-#: ``MADV_POPULATE_WRITE``, as ``pipeline.checkpoint_stream.prefault`` does; prints seconds.
+#: One new process faulting in ``argv[1]`` bytes of new memory with the advice and steps of
+#: ``pipeline.checkpoint_stream.prefault`` (``argv[2]``, ``argv[3]``); prints seconds. Its own
+#: loop, not ``prefault``: that one gives up silently where the kernel refuses the advice.
 _TOUCH = """
 import ctypes, mmap, sys, time
-n = int(sys.argv[1])
+n, advice, step = (int(a) for a in sys.argv[1:4])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 m = mmap.mmap(-1, n)
 addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
 t0 = time.perf_counter()
-for off in range(0, n, 4 << 20):
-    if libc.madvise(addr + off, min(4 << 20, n - off), 23):
+for off in range(0, n, step):
+    if libc.madvise(addr + off, min(step, n - off), advice):
         raise SystemExit("MADV_POPULATE_WRITE refused")
 print(time.perf_counter() - t0)
 """
@@ -337,7 +338,10 @@ def first_touch_s(nbytes: int, procs: int = 2) -> float | None:
     what a requeued job's ranks pay for the optimizer state their load makes, on this machine
     (on a VM that hands free memory back to its host, each page is the host's fault too).
     None where the advice is refused (not Linux 5.14+)."""
-    runs = [subprocess.Popen([sys.executable, "-c", _TOUCH, str(nbytes)],
+    from pipeline.checkpoint_stream import MADV_POPULATE_WRITE, PREFAULT_BYTES
+
+    argv = [str(nbytes), str(MADV_POPULATE_WRITE), str(PREFAULT_BYTES)]
+    runs = [subprocess.Popen([sys.executable, "-c", _TOUCH, *argv],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             for _ in range(procs)]
     outs = [p.communicate()[0] for p in runs]
