@@ -51,6 +51,12 @@ class Slice(SeekableReader):
         self._pos += got
         return got
 
+    def skip_to(self, pos: int) -> None:
+        """Seek to ``pos``, past bytes nobody reads (the stream's ``skip_to`` if it has one)."""
+        self.seek(pos)
+        if hasattr(self._f, "skip_to"):
+            self._f.skip_to(self._off + pos)
+
 
 def zip_record(f: Slice, info: zipfile.ZipInfo) -> tuple[int, int] | None:
     """(offset, size) of a stored (uncompressed) zip record's bytes within ``f``."""

@@ -11,7 +11,8 @@ disk is read once (issue 14).
    state) are read whole, checked and kept in memory. A large file with block checksums (the
    manifest's ``blocks``) that this rank alone loads is not read now (:func:`read_once`): the
    engine's read checks each block before it is served, except DeepSpeed's optimizer
-   partition, deserialized now through that check (:func:`_preload_ds`). Other large files are
+   partition, deserialized now through that check (:func:`_preload_ds`), as are DeepSpeed's
+   model states where two ranks share them (:func:`split_states`). Other large files are
    hashed whole with ``O_DIRECT`` through a few reused buffers
    (:func:`~pipeline.checkpoint_stream.digest_file_windowed`);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
@@ -23,9 +24,9 @@ disk is read once (issue 14).
    DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
    files from memory, DeepSpeed's partition as already loaded, large files through a
    :class:`~pipeline.checkpoint_stream.WindowStream` (block-checked; without block checksums,
-   hashed again and compared at the end), DeepSpeed's model-states file memory-mapped by
-   ``torch.load`` (``weights_only`` with the allow-listed globals, verified in step 2). A damaged
-   block found in step 4 fails DCP's load on every rank; the manager loads the next older
+   hashed again and compared at the end), DeepSpeed's model-states file as already loaded
+   (:func:`split_states`) or memory-mapped by ``torch.load`` (``weights_only`` with the
+   allow-listed globals, verified in step 2). A damaged block found in step 4 fails DCP's load on every rank; the manager loads the next older
    checkpoint over it (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
 
 Which rank reads which file is decided from the file names alone (the manager does not know the
@@ -196,6 +197,11 @@ class VerifiedFiles:
     """Whether the engine's load took a partition read into ``targets`` (then :meth:`release`
     leaves them as they are: they are the engine's state now)."""
     windows: Windows = field(default_factory=Windows)
+    states: dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed model states already deserialized into the engine's module while verified
+    (:func:`split_states`), for the engine's loads of them (DeepSpeed loads them twice)."""
+    partition_read: bool = False
+    """Whether this rank's optimizer partition was read into ``targets``."""
 
     def _rel(self, path: str | os.PathLike) -> str | None:
         try:
@@ -257,6 +263,9 @@ class VerifiedFiles:
 
         def load(path: str | os.PathLike, map_location: Any = None) -> Any:
             rel = self._rel(path)
+            if rel in self.states:
+                self.handed = True
+                return self.states[rel]
             if rel in self.loaded and str(map_location or "cpu") == "cpu":
                 self.handed = True
                 return self.loaded.pop(rel)
@@ -267,7 +276,7 @@ class VerifiedFiles:
                 return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
             with self.open(path) as f:
                 if (rel in self.digests and _is_partition(rel)
-                        and self.targets is not None and not self.targets.used
+                        and self.targets is not None and not self.partition_read
                         and str(map_location or "cpu") == "cpu"):
                     # A partition read now (small, or without block checksums): into the
                     # engine's tensors too.
@@ -275,7 +284,7 @@ class VerifiedFiles:
 
                     got = load_reusing(f, self.digests[rel][0], str(path), classes,
                                        self.targets)
-                    self.handed = True
+                    self.handed = self.partition_read = True
                     return got
                 return load_ds_stream(f, Path(path), classes, map_location)
 
@@ -288,8 +297,11 @@ class VerifiedFiles:
         made for a load that did not take them are dropped: a fresh optimizer's uninitialized
         moments, even where this rank read nothing, as when another rank found damage)."""
         self.data.clear()
+        self.states.clear()
         if self.targets is not None and (self.loaded or not self.handed):
             self.targets.restore()
+            # Every rank is here together: the load is abandoned on all of them.
+            self.targets.restore_shared()
         self.loaded.clear()
         self.windows.close()
 
@@ -387,9 +399,10 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
 
 def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, bool]:
     """Deserialize this rank's DeepSpeed optimizer partition ``rel`` through a block-checking
-    stream (its only read of the disk) and keep it in ``out.loaded``: (failure or None,
-    refused), as :func:`_check`: with every byte read verified, a file that still does not
-    load or names globals beyond the allow-list was written so (refused)."""
+    stream (its only read of the disk) and keep it in ``out.loaded`` (model states of
+    :func:`split_states`: in ``out.states``): (failure or None, refused), as :func:`_check`:
+    with every byte read verified, a file that still does not load or names globals beyond the
+    allow-list was written so (refused)."""
     from pipeline.checkpoint_reuse import load_reusing
 
     why, refused = None, True  # a failure with every byte read verified: refused
@@ -403,7 +416,11 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
                                           out.targets)
                 else:
                     loaded = load_ds_stream(f, path / rel, classes, "cpu")
-                out.loaded[rel] = loaded
+                if _DS_MODEL.search(rel):
+                    out.states[rel] = loaded
+                else:
+                    out.loaded[rel] = loaded
+                    out.partition_read = out.targets is not None
             except PipelineError as err:  # torch.load wraps what the stream raised
                 why = str(err)
             damage = getattr(f, "damage", None)
@@ -411,6 +428,7 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
         why, refused, damage = f"{rel} could not be read ({err.strerror or err})", False, None
     if why is not None or damage is not None:
         out.loaded.clear()  # the checkpoint is not loaded: the engine's memory as it was
+        out.states.clear()
         if out.targets is not None:
             out.targets.restore()
     if damage is not None:
@@ -460,6 +478,22 @@ def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
     return out
 
 
+def split_states(files: dict[str, dict[str, Any]], who: dict[str, list[int]], rank: int,
+                 targets: Any) -> frozenset[str]:
+    """The DeepSpeed model-states files this rank deserializes into the engine's module while
+    it verifies them, all but its own partition of the weights (``targets.skip``, filled from
+    the master partition after the load; block-checked, O_DIRECT): those two ranks share, with
+    block checksums. The two ranks' partitions are disjoint, so every block is checked by one
+    of them; each reads half the file instead of both mapping it whole through the page cache
+    (new memory, then a copy each). With more ranks each would read all the others' parts:
+    the page cache reads it once (:func:`split_shared`)."""
+    if targets is None or not targets.skip:
+        return frozenset()
+    return frozenset(rel for rel, ranks in who.items()
+                     if _DS_MODEL.search(rel) and len(ranks) == 2 and rank in ranks
+                     and files[rel]["bytes"] > KEEP_BYTES and usable_blocks(files[rel]))
+
+
 def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> bool:
     """Whether this rank leaves ``rel`` to be verified block by block as it is read, instead of
     hashing it before: a large file with block checksums that this rank alone reads, through a
@@ -479,7 +513,8 @@ def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
 
 def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
                  once: frozenset[str] = frozenset(), targets: Any = None,
-                 parts: dict[str, tuple[int, int]] | None = None
+                 parts: dict[str, tuple[int, int]] | None = None,
+                 states: frozenset[str] = frozenset()
                  ) -> tuple[VerifiedFiles, str | None, bool]:
     """Check this rank's files ``mine`` of the checkpoint ``path`` (small ones kept). Those in
     ``once`` (:func:`read_once`) are not read now: the engine's read checks each block, except
@@ -493,12 +528,16 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
     out.blocks = {rel: b for rel, info in files.items() if (b := usable_blocks(info))}
     out.targets = targets
     parts = parts or {}
+    for rel in sorted(states):  # first: the moments' prefault runs meanwhile
+        why, refused = _preload_ds(path, rel, out)
+        if why is not None:
+            return out, why, refused
     for rel, (lo, hi) in sorted(parts.items()):
         why, refused = _check_part(path, rel, lo, hi, out)
         if why is not None:
             return out, why, refused
     for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
-        if rel in parts or (rel in once and not _DS_ZERO.search(rel)):
+        if rel in parts or rel in states or (rel in once and not _DS_ZERO.search(rel)):
             continue
         if rel in once:
             why, refused = _preload_ds(path, rel, out)
@@ -547,8 +586,11 @@ def verify_collective(path: Path, rank: int, world: int,
         if (reuse is not None and meta.get("world_size") == world
                 and any(_is_partition(rel) for rel in files)):
             targets = reuse()
-        parts = split_shared(files, who, rank)
-        cache, why, refused = verify_local(path, files, mine[rank], once, targets, parts)
+        states = split_states(files, who, rank, targets)
+        parts = {rel: share for rel, share in split_shared(files, who, rank).items()
+                 if rel not in states}
+        cache, why, refused = verify_local(path, files, mine[rank], once, targets, parts,
+                                           states)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (why, refused))
     for v, r_refused in verdicts:

@@ -32,7 +32,7 @@ import io
 import pickle
 import zipfile
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +63,18 @@ class LoadTargets:
     made: bool = False
     """Whether the engine made some of them for this load (a fresh optimizer's moments): then
     :meth:`restore` runs ``undo`` (which drops them) even if nothing was read into them."""
+    skip: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Byte ranges not read, by the engine storage they are in (its ``data_ptr``): what the
+    engine rebuilds from other state it loads (``fill``). A storage read into such a tensor
+    leaves that range as it was and sets :attr:`skipped`."""
+    fill: Callable[[], None] | None = None
+    """Rebuilds the :attr:`skip` ranges after the engine's load (run by the engine where
+    :attr:`skipped`)."""
+    regather: Callable[[], None] | None = None
+    """Collective: puts back the start-up values of the tensors that a storage with a
+    :attr:`skip` range was read into (from the ranges each rank skipped, which it left as they
+    were). Run by :meth:`restore_shared` on every rank together."""
+    skipped: bool = False
     used: bool = False
     claimed: int = 0
     """How many of them a load has read into (the trainer's ``load`` event reports it)."""
@@ -90,6 +102,14 @@ class LoadTargets:
                 self.undo()
             self.used = self.made = False
 
+    def restore_shared(self) -> None:
+        """Collective, on every rank whose load was abandoned (all or none): :attr:`regather`,
+        whether or not this rank read anything (another may have)."""
+        if self.regather is not None:
+            with torch.no_grad():
+                self.regather()
+            self.skipped = False
+
 
 class _Loader:
     """One file's deserialization: storages reserved during the unpickle (untouched memory),
@@ -114,6 +134,16 @@ class _Loader:
 
         prefault([self.storages[k]._untyped_storage for k in order if k not in self.into])
 
+    def skip(self, key: str, targets: LoadTargets | None) -> tuple[int, int] | None:
+        """The byte range of storage ``key`` not to read (``targets.skip``; marks it used)."""
+        t = self.into.get(key)
+        if t is None or targets is None:
+            return None
+        got = targets.skip.get(t.untyped_storage().data_ptr())
+        if got is not None:
+            targets.skipped = True
+        return got
+
     def memory(self, key: str) -> memoryview:
         t = self.into.get(key)
         raw = t.untyped_storage() if t is not None else self.storages[key]._untyped_storage
@@ -133,13 +163,19 @@ class _Loader:
         if targets is None:
             return result
         key_of = {s._untyped_storage.data_ptr(): k for k, s in self.storages.items()}
+        siblings: dict[int, list[Path_]] = {}
+        for path, t in targets.tensors.items():
+            siblings.setdefault(t.untyped_storage().data_ptr(), []).append(path)
         for path in list(targets.tensors):
             t = _at(result, path)
             if not isinstance(t, torch.Tensor):
                 continue
             key = key_of.get(t.untyped_storage().data_ptr())
-            if key is None or key in self.into:
+            if key is None or key in self.into or path not in targets.tensors:
                 continue
+            group = siblings[targets.tensors[path].untyped_storage().data_ptr()]
+            if not all(_same_view(_at(result, p), targets.tensors[p]) for p in group):
+                continue  # several views of one storage laid out otherwise: fresh memory
             mine = targets.claim(path, t)
             if mine is not None:
                 self.into[key] = mine
@@ -147,6 +183,30 @@ class _Loader:
             return result
         bound = {self.storages[k]._untyped_storage.data_ptr(): t for k, t in self.into.items()}
         return _rebind(result, bound)
+
+
+def _same_view(loaded: Any, mine: torch.Tensor) -> bool:
+    """Whether ``loaded`` is the view of its storage that ``mine`` is of its own (the engine's
+    tensors sharing a storage, DeepSpeed's parameters in its flat buffer, read into only if the
+    file lays every one of them out so: one storage read, and each in its place)."""
+    return (isinstance(loaded, torch.Tensor) and loaded.dtype == mine.dtype
+            and loaded.storage_offset() == mine.storage_offset() and loaded.shape == mine.shape
+            and loaded.stride() == mine.stride())
+
+
+def _read_storage(f: Any, memory: memoryview, name: str, skip: tuple[int, int] | None) -> None:
+    """Fill ``memory`` from ``f`` (at its position), leaving ``skip`` (a byte range of it, or
+    None) as it is and not reading it: ``f`` seeks past it (a
+    :class:`~pipeline.checkpoint_stream.WindowStream` then reads only whole blocks it serves
+    from)."""
+    if skip is None or skip[0] >= skip[1]:
+        readinto_exact(f, memory, name)
+        return
+    start = f.tell()
+    lo, hi = max(0, skip[0]), min(len(memory), skip[1])
+    readinto_exact(f, memory[:lo], name)
+    getattr(f, "skip_to", f.seek)(start + hi)
+    readinto_exact(f, memory[hi:], name)
 
 
 def _at(obj: Any, path: Path_) -> Any:
@@ -213,7 +273,7 @@ def _load_legacy(f: Any, name: str, loader: _Loader, targets: LoadTargets | None
         numel = int.from_bytes(head, "little") if len(head) == 8 else -1
         if numel * torch._utils._element_size(s.dtype) != s._untyped_storage.nbytes():
             raise PipelineError(f"{name}: storage {key!r} does not have the size its pickle says")
-        readinto_exact(f, loader.memory(str(key)), name)
+        _read_storage(f, loader.memory(str(key)), name, loader.skip(str(key), targets))
     return result
 
 
@@ -246,7 +306,7 @@ def _load_zip(f: Any, size: int, name: str, loader: _Loader,
     loader.prefault([key for _, key in records])
     for offset, key in records:
         whole.seek(offset)
-        readinto_exact(whole, loader.memory(key), name)
+        _read_storage(whole, loader.memory(key), name, loader.skip(key, targets))
     return result
 
 

@@ -352,6 +352,13 @@ class WindowStream(SeekableReader):
                     self._hashed, progress = s1, True
         return slot
 
+    def skip_to(self, pos: int) -> None:
+        """Seek forward to ``pos``, past bytes nobody reads: a read ahead begun before it is
+        dropped (it would hold back the read-ahead of the run that starts there)."""
+        if self._ahead is not None and self._ahead[0] + WINDOW_BYTES <= pos:
+            self._drop_ahead()
+        self.seek(pos)
+
     def verify_range(self, start: int, end: int) -> None:
         """Read and check the blocks of ``[start, end)`` (block-aligned ``start``), serving
         nothing (a file several ranks read, verified by each in part): :class:`CheckpointDamaged`

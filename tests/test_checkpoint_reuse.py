@@ -83,6 +83,34 @@ def test_a_view_of_the_engines_storage_is_read_in_place() -> None:
     assert targets.claimed == 0
 
 
+@pytest.mark.parametrize("zipfile", [False, True], ids=["legacy", "zip"])
+def test_views_of_one_storage_are_read_in_place_all_but_the_range_the_engine_rebuilds(
+        zipfile: bool) -> None:
+    """DeepSpeed's parameters, views of one flat buffer saved whole: read into the engine's
+    flat buffer if the file lays out every one of them as the engine does, leaving the
+    ``skip`` range (this rank's partition, rebuilt from its masters) as it was; read into fresh
+    memory, as ``torch.load`` would, if the layout of any differs."""
+    flat = torch.arange(1000.0)
+    f, size = _saved({"module": {"a": flat[:400].view(20, 20), "b": flat[400:]}}, zipfile)
+    mine = torch.full((1000,), -1.0)
+    targets, _ = _targets({("module", "a"): mine[:400].view(20, 20), ("module", "b"): mine[400:]})
+    targets.skip[mine.untyped_storage().data_ptr()] = (400 * 4, 700 * 4)
+    got = load_reusing(f, size, "m.pt", [], targets)
+    assert got["module"]["a"].data_ptr() == mine.data_ptr() and targets.claimed == 1
+    assert got["module"]["b"].data_ptr() == mine.data_ptr() + 400 * 4
+    assert torch.equal(mine[:400], flat[:400]) and torch.equal(mine[700:], flat[700:])
+    assert bool((mine[400:700] == -1).all()) and targets.skipped  # not read
+    # One of the engine's parameters laid out otherwise in its buffer (the other as in the
+    # file): not read into it.
+    mine = torch.full((1000,), -1.0)
+    targets, _ = _targets({("module", "a"): mine[:400].view(20, 20), ("module", "b"): mine[500:]})
+    targets.skip[mine.untyped_storage().data_ptr()] = (0, 4000)
+    got = load_reusing(io.BytesIO(f.getvalue()), size, "m.pt", [], targets)
+    assert targets.claimed == 0 and not targets.skipped and bool((mine == -1).all())
+    assert torch.equal(got["module"]["a"].flatten(), flat[:400])
+    assert torch.equal(got["module"]["b"], flat[400:])
+
+
 class _Evil:
     def __reduce__(self) -> tuple:
         return (print, ("pwned",))
@@ -201,8 +229,13 @@ used = engine()
 inner = used.optimizer.optimizer
 assert not inner.state  # DeepSpeed's base optimizer makes its state at its first step
 targets = DeepSpeedEngine.load_targets(SimpleNamespace(engine=used, pp=1, tp=1))
-keys = sorted(str(k[-1]) for k in targets.tensors)
+keys = sorted(str(k[-1]) for k in targets.tensors if k[0] != "module")
 assert keys == ["0", "exp_avg", "exp_avg_sq"] and targets.made and not targets.used, keys
+# The module's weights too: views of DeepSpeed's one flat buffer, whose own partition (all of
+# it, one rank) is left to the master partition.
+module = sorted(k[1] for k in targets.tensors if k[0] == "module")
+flat = used.optimizer.bit16_groups_flat[0]
+assert module == ["bias", "weight"] and list(targets.skip.values()) == [(0, flat.nbytes)], module
 assert sorted(inner.state[inner.param_groups[0]["params"][0]]) == ["exp_avg", "exp_avg_sq", "step"]
 # A load abandoned before it read anything (another rank found damage): the uninitialized
 # moments made for it are dropped, and the engine steps exactly as one that never resumed.

@@ -258,6 +258,50 @@ class FSDPEngine:
             self.model.train()
 
 
+def _module_targets(engine: Any, targets: Any) -> None:
+    """Add the module's weights to ``targets``: DeepSpeed's model states read straight into
+    its flat buffers (the parameters are views of them, and ``torch.save`` wrote each flat
+    buffer whole), all but this rank's own partition (``skip``), which ``fill`` copies from
+    the fp32 master partition the load reads, as DeepSpeed's step does
+    (``update_lp_params`` without its all-gather: the same bits). Where two ranks share the
+    model-states file, each then reads the half the other one does not, O_DIRECT, instead
+    of both mapping the whole file through the page cache (:mod:`pipeline.checkpoint_read`).
+    Only where DeepSpeed restores its masters from the partition
+    (``load_from_fp32_weights``) and the flat buffers are in host memory."""
+    import torch.distributed as dist
+
+    opt = engine.optimizer
+    flats = getattr(opt, "bit16_groups_flat", None)
+    parts = getattr(opt, "parallel_partitioned_bit16_groups", None)
+    masters = opt.single_partition_of_fp32_groups
+    if (not flats or parts is None or not engine.zero_load_from_fp32_weights()
+            or any(f.device.type != "cpu" for f in flats)):
+        return
+    ranks = [dist.get_rank(group=g) for g in opt.real_dp_process_group]
+    by_storage = {f.untyped_storage().data_ptr(): i for i, f in enumerate(flats)}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if p.untyped_storage().data_ptr() in by_storage:
+            targets.tensors[("module", name)] = p.detach()
+    for i, flat in enumerate(flats):
+        own = parts[i][ranks[i]]
+        lo = own.storage_offset() * own.element_size()
+        targets.skip[flat.untyped_storage().data_ptr()] = (lo, lo + own.nbytes)
+
+    def fill() -> None:
+        for i, t in enumerate(masters):
+            parts[i][ranks[i]].copy_(t)
+
+    def regather() -> None:
+        from deepspeed.runtime.utils import all_gather_dp_groups
+
+        all_gather_dp_groups(groups_flat=flats, partitioned_param_groups=parts,
+                             dp_process_group=opt.real_dp_process_group,
+                             start_alignment_factor=opt.nccl_start_alignment_factor,
+                             allgather_bucket_size=opt.allgather_bucket_size)
+
+    targets.fill, targets.regather = fill, regather
+
+
 class DeepSpeedEngine:
     """The DeepSpeed engine with the rendered ``ds_config.json`` (ZeRO stage, offload, bf16).
 
@@ -411,7 +455,10 @@ class DeepSpeedEngine:
             for v in moments:
                 v.zero_()
 
-        return LoadTargets(tensors, undo, made=made)
+        targets = LoadTargets(tensors, undo, made=made)
+        if self.pp == 1 and self.tp == 1:
+            _module_targets(self.engine, targets)
+        return targets
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
@@ -438,6 +485,10 @@ class DeepSpeedEngine:
             del ce.load  # back to the class's method
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt}")
+        targets = getattr(verified, "targets", None)
+        if targets is not None and targets.skipped and targets.fill is not None:
+            with torch.no_grad():  # this rank's partition of the weights, left unread
+                targets.fill()
 
     def _load_universal(self, folder: Path) -> None:
         """Another world size: DeepSpeed's universal checkpoint (``pipeline.checkpoint_universal``
