@@ -480,13 +480,12 @@ def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
 
 def split_states(files: dict[str, dict[str, Any]], who: dict[str, list[int]], rank: int,
                  targets: Any) -> frozenset[str]:
-    """The DeepSpeed model-states files this rank deserializes into the engine's module while
-    it verifies them, all but its own partition of the weights (``targets.skip``, filled from
-    the master partition after the load; block-checked, O_DIRECT): those two ranks share, with
-    block checksums. The two ranks' partitions are disjoint, so every block is checked by one
-    of them; each reads half the file instead of both mapping it whole through the page cache
-    (new memory, then a copy each). With more ranks each would read all the others' parts:
-    the page cache reads it once (:func:`split_shared`)."""
+    """The DeepSpeed model-states files (with block checksums) that this rank and one other
+    share: deserialized into the engine's module while verified, block-checked, O_DIRECT, all
+    but this rank's partition of the weights (``targets.skip``, copied from the masters after
+    the load). Their partitions are disjoint: every block is checked by one of them, and each
+    reads half the file instead of both mapping it whole through the page cache (new memory,
+    then a copy each). With more ranks each would read all the others' parts."""
     if targets is None or not targets.skip:
         return frozenset()
     return frozenset(rel for rel, ranks in who.items()

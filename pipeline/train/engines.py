@@ -267,7 +267,10 @@ def _module_targets(engine: Any, targets: Any) -> None:
     model-states file, each then reads the half the other one does not, O_DIRECT, instead
     of both mapping the whole file through the page cache (:mod:`pipeline.checkpoint_read`).
     Only where DeepSpeed restores its masters from the partition
-    (``load_from_fp32_weights``) and the flat buffers are in host memory."""
+    (``load_from_fp32_weights``) and the flat buffers are in host memory. Measured on the
+    development VM (134 M model, 2 ranks, page cache dropped, each load in a new process,
+    alternating with the mapped model states in one run, 6 pairs): 1.31-1.58 s (median 1.48)
+    against 1.46-1.70 s (median 1.62)."""
     import torch.distributed as dist
 
     opt = engine.optimizer
