@@ -26,8 +26,9 @@ disk is read once (issue 14).
    :class:`~pipeline.checkpoint_stream.WindowStream` (block-checked; without block checksums,
    hashed again and compared at the end), DeepSpeed's model-states file as already loaded
    (:func:`split_states`) or memory-mapped by ``torch.load`` (``weights_only`` with the
-   allow-listed globals, verified in step 2). A damaged block found in step 4 fails DCP's load on every rank; the manager loads the next older
-   checkpoint over it (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
+   allow-listed globals, verified in step 2). A damaged block found in step 4 fails DCP's
+   load on every rank; the manager loads the next older checkpoint over it
+   (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
 
 Which rank reads which file is decided from the file names alone (the manager does not know the
 engine's layout): a wrong guess costs a read more, never correctness.

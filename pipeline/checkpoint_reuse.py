@@ -135,7 +135,8 @@ class _Loader:
         prefault([self.storages[k]._untyped_storage for k in order if k not in self.into])
 
     def skip(self, key: str, targets: LoadTargets | None) -> tuple[int, int] | None:
-        """The byte range of storage ``key`` not to read (``targets.skip``; marks it used)."""
+        """The byte range of storage ``key`` not to read (``targets.skip``; then sets
+        ``targets.skipped``: the engine rebuilds it)."""
         t = self.into.get(key)
         if t is None or targets is None:
             return None
