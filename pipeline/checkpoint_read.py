@@ -12,9 +12,8 @@ disk is read once (issue 14).
    manifest's ``blocks``) that this rank alone loads is not read now (:func:`read_once`): the
    engine's read checks each block before it is served, except DeepSpeed's optimizer
    partition, deserialized now through that check (:func:`_preload_ds`), as are DeepSpeed's
-   model states where two ranks share them (:func:`split_states`). Other large files are
-   hashed whole with ``O_DIRECT`` through a few reused buffers
-   (:func:`~pipeline.checkpoint_stream.digest_file_windowed`);
+   model states where two ranks share them (:func:`split_states`). Other large files are hashed
+   whole with ``O_DIRECT`` (:func:`~pipeline.checkpoint_stream.digest_file_windowed`);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
    to the next older checkpoint; a DeepSpeed file whose bytes verify but whose pickle names
@@ -199,10 +198,8 @@ class VerifiedFiles:
     leaves them as they are: they are the engine's state now)."""
     windows: Windows = field(default_factory=Windows)
     states: dict[str, Any] = field(default_factory=dict)
-    """DeepSpeed model states already deserialized into the engine's module while verified
-    (:func:`split_states`), for the engine's loads of them (DeepSpeed loads them twice)."""
-    partition_read: bool = False
-    """Whether this rank's optimizer partition was read into ``targets``."""
+    """DeepSpeed model states deserialized while verified (:func:`split_states`), kept."""
+    partition_read: bool = False  # whether this rank's optimizer partition went into targets
 
     def _rel(self, path: str | os.PathLike) -> str | None:
         try:
@@ -301,8 +298,7 @@ class VerifiedFiles:
         self.states.clear()
         if self.targets is not None and (self.loaded or not self.handed):
             self.targets.restore()
-            # Every rank is here together: the load is abandoned on all of them.
-            self.targets.restore_shared()
+            self.targets.restore_shared()  # collective: every rank abandons the load here
         self.loaded.clear()
         self.windows.close()
 
@@ -399,11 +395,11 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
 
 
 def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, bool]:
-    """Deserialize this rank's DeepSpeed optimizer partition ``rel`` through a block-checking
-    stream (its only read of the disk) and keep it in ``out.loaded`` (model states of
-    :func:`split_states`: in ``out.states``): (failure or None, refused), as :func:`_check`:
-    with every byte read verified, a file that still does not load or names globals beyond the
-    allow-list was written so (refused)."""
+    """Deserialize this rank's DeepSpeed optimizer partition ``rel`` (or model states,
+    :func:`split_states`) through a block-checking stream (its only read of the disk), kept in
+    ``out.loaded`` (``out.states``): (failure or None, refused), as :func:`_check`: with every
+    byte read verified, a file that still does not load or names globals beyond the allow-list
+    was written so (refused)."""
     from pipeline.checkpoint_reuse import load_reusing
 
     why, refused = None, True  # a failure with every byte read verified: refused
@@ -481,12 +477,12 @@ def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
 
 def split_states(files: dict[str, dict[str, Any]], who: dict[str, list[int]], rank: int,
                  targets: Any) -> frozenset[str]:
-    """The DeepSpeed model-states files (with block checksums) that this rank and one other
-    share: deserialized into the engine's module while verified, block-checked, O_DIRECT, all
-    but this rank's partition of the weights (``targets.skip``, copied from the masters after
-    the load). Their partitions are disjoint: every block is checked by one of them, and each
-    reads half the file instead of both mapping it whole through the page cache (new memory,
-    then a copy each). With more ranks each would read all the others' parts."""
+    """The DeepSpeed model states (with block checksums) this rank shares with one other:
+    read into the engine's module while verified, block-checked, O_DIRECT, all but this rank's
+    partition of the weights (``targets.skip``, copied from the masters after the load). The
+    two partitions are disjoint (every block checked by one rank): half the file each, not all
+    of it mapped through the page cache (new memory) and copied by both. More ranks would each
+    read all the others' parts."""
     if targets is None or not targets.skip:
         return frozenset()
     return frozenset(rel for rel, ranks in who.items()
