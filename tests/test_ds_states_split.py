@@ -14,6 +14,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import PY, REPO, subprocess_env
 
 _WORKER = r"""
@@ -31,7 +33,9 @@ from pipeline.train.engines import DeepSpeedEngine
 rank, root, out = int(os.environ["RANK"]), Path(sys.argv[1]), Path(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
 cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
-       "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}}
+       "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+       "bf16": {"enabled": sys.argv[4] == "bf16"}}
+dtype = torch.bfloat16 if sys.argv[4] == "bf16" else torch.float32
 log = []
 logging.getLogger("pipeline.checkpoint_manager").addHandler(
     type("Keep", (logging.Handler,), {"emit": lambda self, r: log.append(r.getMessage())})())
@@ -39,8 +43,10 @@ logging.getLogger("pipeline.checkpoint_manager").addHandler(
 
 def engine(seed):
     torch.manual_seed(seed)
-    # 5.2 M parameters: 21 MB of model states (four 4 MiB blocks in each rank's half).
-    m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)])
+    # 21 MB of model states: 5.2 M fp32 or 10.5 M bf16 parameters (in each rank's half at
+    # least one 4 MiB block wholly).
+    layers = 10 if dtype == torch.bfloat16 else 5
+    m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
     e = DeepSpeedEngine.__new__(DeepSpeedEngine)
     e.engine = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
     e.pp = e.tp = 1
@@ -74,21 +80,25 @@ saved, saved_at, own_bytes = engine(0), {}, {}
 for name, steps in (("good", 2), ("damaged", 2), ("alone", 1)):
     m = manager(name)
     for s in range(1, steps + 1):
-        loss = saved.engine(torch.full((1, 1024), 0.01 * (rank + 1))).square().mean()
+        x = torch.full((1, 1024), 0.01 * (rank + 1), dtype=dtype)
+        loss = saved.engine(x).square().mean()
         saved.engine.backward(loss)
         saved.engine.step()
         m.save(saved, ck.TrainerState(step=s, tokens_seen=0, loader={}))
         saved_at[name, s] = state(saved)
-        own_bytes[name, s] = saved_at[name, s][1][0][:64].numpy().tobytes()
+        part = saved.engine.optimizer.parallel_partitioned_bit16_groups[0][rank]
+        own_bytes[name, s] = (part[:64].detach().view(torch.uint8).numpy().tobytes(),
+                              part.numel() * part.element_size())
 if rank == 0:
     # A byte in a block wholly inside rank 0's half of the weights: rank 0 skips it (its
     # masters hold those weights), so rank 1 alone can find it.
     for name, s in (("damaged", 2), ("alone", 1)):
         f = root / name / f"step-{s:06d}" / "ds/mp_rank_00_model_states.pt"
         data = bytearray(f.read_bytes())
-        at = data.find(own_bytes[name, s])
-        assert at > 0
+        head, nbytes = own_bytes[name, s]
+        at = data.find(head)
         flip = -(-at // (4 << 20)) * (4 << 20) + 100
+        assert at > 0 and flip - 100 + (4 << 20) <= at + nbytes
         data[flip] ^= 0xFF
         f.write_bytes(bytes(data))
 dist.barrier()
@@ -112,9 +122,14 @@ os._exit(0)
 """
 
 
-def test_two_ranks_read_the_model_states_split_and_resume_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_two_ranks_read_the_model_states_split_and_resume_exactly(tmp_path: Path,
+                                                                   dtype: str) -> None:
+    """bf16: the weights in the file are bf16, the masters fp32; the half each rank copies
+    from its masters is rounded as DeepSpeed's step rounds it."""
     procs = [subprocess.Popen(
-        [str(PY), "-c", _WORKER, str(tmp_path / "ck"), str(tmp_path), str(tmp_path / "store")],
+        [str(PY), "-c", _WORKER, str(tmp_path / "ck"), str(tmp_path), str(tmp_path / "store"),
+         dtype],
         cwd=REPO, env=subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     errs = [p.communicate(timeout=600)[1] for p in procs]
