@@ -172,10 +172,10 @@ class _Loader:
             if not isinstance(t, torch.Tensor):
                 continue
             key = key_of.get(t.untyped_storage().data_ptr())
-            if key is None or key in self.into or path not in targets.tensors:
+            if key is None or key in self.into:
                 continue
             group = siblings[targets.tensors[path].untyped_storage().data_ptr()]
-            if not all(_same_view(_at(result, p), targets.tensors[p]) for p in group):
+            if not all(_same_view(_at(result, p), targets.tensors[p], t) for p in group):
                 continue  # several views of one storage laid out otherwise: fresh memory
             mine = targets.claim(path, t)
             if mine is not None:
@@ -186,11 +186,13 @@ class _Loader:
         return _rebind(result, bound)
 
 
-def _same_view(loaded: Any, mine: torch.Tensor) -> bool:
-    """Whether ``loaded`` is the view of its storage that ``mine`` is of its own (the engine's
-    tensors sharing a storage, DeepSpeed's parameters in its flat buffer, read into only if the
-    file lays every one of them out so: one storage read, and each in its place)."""
-    return (isinstance(loaded, torch.Tensor) and loaded.dtype == mine.dtype
+def _same_view(loaded: Any, mine: torch.Tensor, on: torch.Tensor) -> bool:
+    """Whether ``loaded`` is, on the storage of ``on``, the view that ``mine`` is of its own
+    (the engine's tensors sharing a storage, DeepSpeed's parameters in its flat buffer, read
+    into only if the file lays every one of them out so: one storage read, each in its place)."""
+    return (isinstance(loaded, torch.Tensor)
+            and loaded.untyped_storage().data_ptr() == on.untyped_storage().data_ptr()
+            and loaded.dtype == mine.dtype
             and loaded.storage_offset() == mine.storage_offset() and loaded.shape == mine.shape
             and loaded.stride() == mine.stride())
 

@@ -281,9 +281,9 @@ def _module_targets(engine: Any, targets: Any) -> None:
             or any(f.device.type != "cpu" for f in flats)):
         return
     ranks = [dist.get_rank(group=g) for g in opt.real_dp_process_group]
-    by_storage = {f.untyped_storage().data_ptr(): i for i, f in enumerate(flats)}
+    flat_storages = {f.untyped_storage().data_ptr() for f in flats}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
-        if p.untyped_storage().data_ptr() in by_storage:
+        if p.untyped_storage().data_ptr() in flat_storages:
             targets.tensors[("module", name)] = p.detach()
     for i, flat in enumerate(flats):
         own = parts[i][ranks[i]]
@@ -294,15 +294,10 @@ def _module_targets(engine: Any, targets: Any) -> None:
         for i, t in enumerate(masters):
             parts[i][ranks[i]].copy_(t)
 
-    def regather() -> None:
-        from deepspeed.runtime.utils import all_gather_dp_groups
-
-        all_gather_dp_groups(groups_flat=flats, partitioned_param_groups=parts,
-                             dp_process_group=opt.real_dp_process_group,
-                             start_alignment_factor=opt.nccl_start_alignment_factor,
-                             allgather_bucket_size=opt.allgather_bucket_size)
-
-    targets.fill, targets.regather = fill, regather
+    # regather: DeepSpeed's own copy-and-gather. Its copy (masters into this rank's partition)
+    # changes nothing there: the undo, run before it, put the masters back from that partition,
+    # which no read touched (or they never changed).
+    targets.fill, targets.regather = fill, opt.update_lp_params
 
 
 class DeepSpeedEngine:
