@@ -86,7 +86,8 @@ class CheckpointManager:
 
         ``reuse`` (the engine's ``load_targets``): the engine's tensors, by their place in what
         it will load, that the load may be read into instead of fresh memory
-        (:mod:`pipeline.checkpoint_reuse`)."""
+        (:mod:`pipeline.checkpoint_reuse`), and the optimizer state a requeued job's engine
+        makes for the load from the resume's start on."""
         if self.rank == 0:
             clean_tmp(self.root)
         self._skipped = set()

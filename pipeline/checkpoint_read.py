@@ -550,8 +550,8 @@ def verify_collective(path: Path, rank: int, world: int,
     """Collective: every rank verifies its share of ``path`` (:func:`assign`), then all ranks
     exchange their verdicts; every rank returns the same first failure (with the rank that
     found it), or None with the bytes it kept. ``path`` passed rank 0's structural check.
-    ``reuse``: the engine's :class:`~pipeline.checkpoint_reuse.LoadTargets`, the tensors that
-    its DeepSpeed partition may be deserialized into (same world size only).
+    ``reuse``: makes the engine's :class:`~pipeline.checkpoint_reuse.LoadTargets` (same world
+    size only): the tensors its DeepSpeed partition may be deserialized into, the moments made.
 
     A refusal (:func:`verify_local`) is raised on every rank as the same
     :class:`~pipeline.errors.PipelineError`: a tampered checkpoint stops the run, as the
@@ -576,12 +576,9 @@ def verify_collective(path: Path, rank: int, world: int,
         who = claims(files, world, meta.get("world_size"))
         once = frozenset(rel for rel in mine[rank]
                          if read_once(rel, files[rel], who.get(rel, []), rank))
-        # The engine's tensors are named by their place in its own partition's file: only a
-        # resume at the world size it was saved with reads that file.
-        targets = None
-        if (reuse is not None and meta.get("world_size") == world
-                and any(_is_partition(rel) for rel in files)):
-            targets = reuse()
+        # The engine's tensors are named by their place in its own partition's file (fsdp:
+        # none, the moments made): only a resume at the saved world size reads that layout.
+        targets = reuse() if reuse is not None and meta.get("world_size") == world else None
         states = split_states(files, who, rank, targets)
         parts = {rel: share for rel, share in split_shared(files, who, rank).items()
                  if rel not in states}

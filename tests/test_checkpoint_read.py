@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from pipeline import checkpoint as ck
 from pipeline import checkpoint_read as cr
@@ -69,15 +70,26 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
 
     messages = _manager_warnings()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    import torch
+
+    from pipeline.train.engines import FSDPEngine
+
     result = []
     for root in roots:
         manager = CheckpointManager(Path(root), config_hash="cfg", data_hash="data",
                                        keep_last=5, backend="fsdp", zero_stage=None,
                                        rank=rank, world_size=2)
-        path = manager.resume()
+        # A requeued job's fsdp engine: an optimizer without state, whose moments the resume
+        # makes at its start (load_targets) for the load to fill.
+        param = torch.nn.Parameter(torch.ones(3, 5))
+        engine = SimpleNamespace(opt=torch.optim.AdamW([param]))
+        path = manager.resume(reuse=lambda engine=engine: FSDPEngine.load_targets(engine))
         verified = manager._verified
+        state = engine.opt.state.get(param, {})
         result.append({"path": None if path is None else Path(path).name,
-                       "kept": sorted(verified.data) if verified is not None else None})
+                       "kept": sorted(verified.data) if verified is not None else None,
+                       "moments": sorted(k for k, v in state.items() if k != "step"
+                                         and v.shape == param.shape)})
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"result": result, "log": messages}))
 
@@ -104,6 +116,9 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
         kept = got["result"][0]["kept"]
         assert {"dcp/.metadata", "trainer.json"} <= set(kept), kept
         assert not any(k.endswith(".distcp") for k in kept), kept
+        # The moments made for a checkpoint that verifies are there for the engine's load;
+        # with nothing to load they are dropped (uninitialized memory is no Adam state).
+        assert [x["moments"] for x in got["result"]] == [["exp_avg", "exp_avg_sq"]] * 2 + [[]]
     warnings = ranks[0]["log"]
     assert any("step-000002" in w and "dcp/__1_0.distcp does not match its checksum "
                "(verified by rank 1)" in w for w in warnings), warnings
