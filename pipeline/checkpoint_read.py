@@ -48,7 +48,7 @@ from typing import Any
 import xxhash
 
 from pipeline.checkpoint_stream import (
-    WINDOW_BYTES,
+    MAX_BLOCK_BYTES,
     CheckpointDamaged,
     SeekableReader,
     Windows,
@@ -499,12 +499,12 @@ def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> 
 
 
 def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
-    """The entry's block checksums if the reader's windows can check them (a block size that
-    divides a window), else None."""
+    """The entry's block checksums if the reader's windows can check them (blocks of at most
+    :data:`~pipeline.checkpoint_stream.MAX_BLOCK_BYTES`), else None."""
     from pipeline.checkpoint import block_digests
 
     found = block_digests(info)
-    return found if found is not None and WINDOW_BYTES % found[0] == 0 else None
+    return found if found is not None and found[0] <= MAX_BLOCK_BYTES else None
 
 
 def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],

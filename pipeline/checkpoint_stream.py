@@ -39,17 +39,24 @@ import xxhash
 from pipeline.errors import PipelineError
 from pipeline.fastio import ALIGN
 
-#: One read request: large enough that the disk streams, small enough that several are in
-#: flight at once (queue depth helps virtual and NVMe disks alike). 4 MiB, not 16: each rank
-#: holds three windows of new memory per resume, and a requeued job's new memory is what its
-#: load waits for on a VM that faults it in from the host. Measured on the development VM,
-#: each load in a new process, alternating in one run (3 pairs, 134 M model, 2 ranks):
-#: fsdp 0.95-1.04 s with 4 MiB against 1.55-1.89 s with 16 MiB; deepspeed 1.66-2.20 s against
-#: 2.24-3.68 s.
-CHUNK_BYTES = 4 << 20
-#: Requests in flight, and so the size of one window (:data:`CHUNK_BYTES` each).
+#: One read request, and the requests in flight at once (queue depth helps virtual and NVMe
+#: disks alike): a window of :data:`WINDOW_BYTES` is read as :data:`QUEUE_DEPTH` requests.
+CHUNK_BYTES = 512 << 10
 QUEUE_DEPTH = 4
+#: A window: 2 MiB, so that a rank's buffers (two windows served from, one read ahead) stay a
+#: few MiB. Small windows read faster on the development VM, a Firecracker guest: two
+#: processes reading 800 MB files at once with O_DIRECT, alternating in one run, 1.83-1.98
+#: GB/s together with 2 MiB windows (4 x 512 KiB) against 1.47-1.48 with 16 MiB (4 x 4 MiB)
+#: and 1.42-1.60 with 4 MiB ones; two ``dd bs=4M`` 1.73-1.85. In ``python -m bench.checkpoint``
+#: (134 M model, 2 ranks; 3 runs alternating, 9 loads each) a requeued job's load took a median
+#: 1.16 s against 1.29 s with 16 MiB windows for fsdp, 1.70 s against 1.85 s for deepspeed.
+#: (Earlier, 16 MiB requests had measured worse than 4 MiB ones.) A file whose block checksums
+#: are larger (checkpoints written before 1 MiB blocks) gets windows of a whole number of its
+#: blocks (:class:`WindowStream`).
 WINDOW_BYTES = CHUNK_BYTES * QUEUE_DEPTH
+#: The largest block checksum a reader checks (a window holds whole blocks): a manifest that
+#: names larger blocks is verified by hashing the whole file instead.
+MAX_BLOCK_BYTES = 64 << 20
 
 
 #: ``madvise`` advice (Linux 5.14+, ``linux/mman.h``): make the pages of a range present and
@@ -119,8 +126,8 @@ def open_read(path: Path, direct: bool) -> tuple[int, bool]:
 
 
 class Windows:
-    """Reused page-aligned buffers of :data:`WINDOW_BYTES` (anonymous mmaps, as O_DIRECT needs)
-    and the threads that fill them. One per rank and resume; :meth:`close` when done."""
+    """Reused page-aligned buffers of :data:`WINDOW_BYTES` or more (anonymous mmaps, as O_DIRECT
+    needs) and the threads that fill them. One per rank and resume; :meth:`close` when done."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
@@ -128,9 +135,15 @@ class Windows:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
 
-    def take(self) -> mmap.mmap:
+    def take(self, nbytes: int | None = None) -> mmap.mmap:
+        """A free buffer of at least ``nbytes`` (a multiple of the page size; a window by
+        default), or a new one."""
+        nbytes = nbytes or WINDOW_BYTES
         with self._lock:
-            return self._free.pop() if self._free else mmap.mmap(-1, WINDOW_BYTES)
+            for i, buf in enumerate(self._free):
+                if len(buf) >= nbytes:
+                    return self._free.pop(i)
+        return mmap.mmap(-1, nbytes)
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
@@ -279,11 +292,13 @@ class WindowStream(SeekableReader):
     def __init__(self, path: Path, size: int, digest: str | None, windows: Windows,
                  *, direct: bool = True, blocks: tuple[int, list[str]] | None = None) -> None:
         super().__init__(size)
-        assert blocks is None or (WINDOW_BYTES % blocks[0] == 0 and blocks[0] % ALIGN == 0)
+        assert blocks is None or (0 < blocks[0] <= MAX_BLOCK_BYTES and blocks[0] % ALIGN == 0)
         self.path = Path(path)
         self._blocks = blocks
         self._digest = None if blocks is not None else digest
         self._align = ALIGN if blocks is None else blocks[0]
+        # A window holds whole blocks: WINDOW_BYTES, or the smallest multiple of larger blocks.
+        self._window = -(-WINDOW_BYTES // self._align) * self._align
         self._windows = windows
         self._fd, _ = open_read(self.path, direct)
         self._slots: list[list[Any]] = []  # [start, end, buffer, view], most recent first
@@ -309,7 +324,7 @@ class WindowStream(SeekableReader):
                     self._slots.insert(0, self._slots.pop(i))
                 return slot
         if len(self._slots) < self.SLOTS:
-            buf = self._windows.take()
+            buf = self._windows.take(self._window)
             slot = [0, 0, buf, memoryview(buf)]
         else:
             slot = self._slots.pop()
@@ -322,18 +337,18 @@ class WindowStream(SeekableReader):
                    None)
         if run is not None:  # continues a run: from its end, four times the read-ahead
             self._runs.remove(run)
-            start, run[1] = run[0], min(4 * run[1], WINDOW_BYTES)
+            start, run[1] = run[0], min(4 * run[1], self._window)
         else:
-            start, run = pos - pos % align, [0, min(max(self.MIN_AHEAD, align), WINDOW_BYTES)]
+            start, run = pos - pos % align, [0, min(max(self.MIN_AHEAD, align), self._window)]
         self._runs = [run, *self._runs][:self.SLOTS]
-        length = min(WINDOW_BYTES, max(run[1], pos - start + want), self._limit - start)
+        length = min(self._window, max(run[1], pos - start + want), self._limit - start)
         length = -(-length // align) * align
         slot[0] = slot[1] = 0  # refilled: holds nothing until verified
         n = self._take_ahead(slot, start, length)
         if n is None:
             n = self._windows.fill(self._fd, slot[3][:length], start)
         run[0] = start + n
-        if run[1] == WINDOW_BYTES and n == length and run[0] < min(self.size, self._limit):
+        if run[1] == self._window and n == length and run[0] < min(self.size, self._limit):
             self._read_ahead(run[0])  # streaming: the next window while this one is used
         end = start + min(n, max(0, self.size - start))
         if self._blocks is not None:
@@ -355,7 +370,7 @@ class WindowStream(SeekableReader):
     def skip_to(self, pos: int) -> None:
         """Seek forward to ``pos``, past bytes nobody reads: a read ahead begun before it is
         dropped (it would hold back the read-ahead of the run that starts there)."""
-        if self._ahead is not None and self._ahead[0] + WINDOW_BYTES <= pos:
+        if self._ahead is not None and self._ahead[0] + self._window <= pos:
             self._drop_ahead()
         self.seek(pos)
 
@@ -373,8 +388,8 @@ class WindowStream(SeekableReader):
         """Start reading the window at ``start`` in the background (:meth:`_take_ahead`)."""
         if self._ahead is not None:
             return  # one read ahead at a time: the one pending may be another run's
-        buf = self._windows.take()
-        view = memoryview(buf)
+        buf = self._windows.take(self._window)
+        view = memoryview(buf)[:self._window]
         self._ahead = (start, buf, view, self._windows.fill_later(self._fd, view, start))
 
     def _drop_ahead(self) -> None:
@@ -438,7 +453,7 @@ class WindowStream(SeekableReader):
         if self.closed:
             return
         try:
-            if self._digest is not None and self.size - self._hashed <= WINDOW_BYTES:
+            if self._digest is not None and self.size - self._hashed <= self._window:
                 while self._hashed < self.size:  # the rest of the run: at most one window
                     before = self._hashed
                     self._slot(self._hashed)

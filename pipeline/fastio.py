@@ -40,10 +40,12 @@ DIGEST = "xxh3_128"
 #: Block checksums: the manifest also lists the xxh3-64 of every :data:`BLOCK_BYTES` of a file
 #: larger than that (``"blocks"``), so that a resume verifies each block as the engine reads it
 #: (one read of the disk) instead of hashing the whole file before the engine reads it again
-#: (two). 4 MiB: a whole number of O_DIRECT pages and of the reader's windows, and 19 bytes of
-#: JSON per 4 MiB (under 5 MB of manifest per TB of checkpoint). 64 bits, not 128, for the
-#: same reason: these detect damage, as the file's own digest does, not tampering.
-BLOCK_BYTES = 4 << 20
+#: (two). 1 MiB: a whole number of O_DIRECT pages; the reader's windows hold whole blocks and
+#: read fastest small (``pipeline.checkpoint_stream.WINDOW_BYTES``: 2 MiB), and a peek at an
+#: item's zip directory reads one block; 19 bytes of JSON per MiB (19 MB of manifest per TB of
+#: checkpoint). 64 bits, not 128, for the same reason: these detect damage, as the file's own
+#: digest does, not tampering. (Checkpoints written with 4 MiB blocks still read in one pass.)
+BLOCK_BYTES = 1 << 20
 BLOCK_DIGEST = "xxh3_64"
 
 

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from pipeline import checkpoint as ck
 from pipeline import checkpoint_read as cr
 from pipeline.checkpoint_manager import CheckpointManager
@@ -95,9 +97,13 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
 
 
 def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.multiprocessing as mp
 
+    from pipeline import fastio
+
+    # Shards smaller than a block have no block checksums: the resume hashes them whole.
+    monkeypatch.setattr(fastio, "BLOCK_BYTES", 8 << 20)
     shard = tmp_path / "shard" / "checkpoints"    # newest: a byte of rank 1's shard flipped
     unread = tmp_path / "unread" / "checkpoints"  # newest: a byte of a file no rank reads
     alone = tmp_path / "alone" / "checkpoints"    # the only one, corrupt: no resume at all
@@ -164,7 +170,7 @@ def _damage_worker(rank: int, store: str, root: str, out: str) -> None:
 
     messages = _manager_warnings()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    # 6 MB per rank (two blocks of 4 MiB): each rank's own shard file, read by it alone.
+    # 6 MB per rank (several blocks): each rank's own shard file, read by it alone.
     engine = _DictEngine({f"w{rank}": torch.zeros(1_500_000), "shared": torch.zeros(10)})
     result: dict = {}
     for name in ("two", "alone"):
@@ -207,7 +213,9 @@ def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_old
                                    str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"damage{r}.json").read_text()) for r in (0, 1)]
     manifest = json.loads((tmp_path / "ck/two/step-000001" / ck.MANIFEST).read_text())
-    assert len(manifest["files"]["dcp/__1_0.distcp"]["blocks"]["xxh3_64"]) == 2
+    shard = manifest["files"]["dcp/__1_0.distcp"]
+    block = shard["blocks"]["bytes"]
+    assert len(shard["blocks"]["xxh3_64"]) == -(-shard["bytes"] // block) > (5 << 20) // block
     for got in ranks:
         two, alone = got["result"]["two"], got["result"]["alone"]
         assert two["chosen"] == "step-000002"
@@ -216,7 +224,8 @@ def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_old
         assert alone["chosen"] == "step-000001" and "loaded" not in alone
         assert "no older checkpoint of this run verifies" in alone["error"].lower()
         assert "move " in alone["error"] and "step-000001" in alone["error"]
-    assert any("step-000002" in w and "bytes 4194304-" in w and "__1_0.distcp" in w
+    assert any("step-000002" in w and f"bytes {(5 << 20) // block * block}-" in w
+               and "__1_0.distcp" in w
                for w in ranks[0]["log"]), ranks[0]["log"]
 
 
@@ -250,3 +259,14 @@ def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Pat
         assert verdicts[bad][1] is False  # damage, not a refusal
         data[offset] ^= 1
         (path / rel).write_bytes(bytes(data))
+
+
+def test_block_checksums_are_used_up_to_the_largest_block_a_window_takes() -> None:
+    from pipeline.checkpoint_stream import MAX_BLOCK_BYTES
+
+    def entry(block: int) -> dict:
+        return {"bytes": 3 * block, "blocks": {"bytes": block, "xxh3_64": ["0" * 16] * 3}}
+
+    assert cr.usable_blocks(entry(4 << 20))[0] == 4 << 20  # written before 1 MiB blocks
+    assert cr.usable_blocks(entry(MAX_BLOCK_BYTES)) is not None
+    assert cr.usable_blocks(entry(2 * MAX_BLOCK_BYTES)) is None  # hashed whole instead

@@ -145,6 +145,35 @@ def test_block_checked_stream_serves_verified_bytes_and_stops_at_a_damaged_block
         windows.close()
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
+def test_blocks_larger_than_a_window_are_read_in_windows_of_whole_blocks(
+        tmp_path: Path, direct: bool) -> None:
+    # A checkpoint written with larger blocks (4 MiB, before 1 MiB) than today's windows: still
+    # one pass, each block checked whole before any byte of it serves.
+    block = 2 * cs.WINDOW_BYTES
+    size = 3 * block + 123
+    path, data = _file(tmp_path, size)
+    windows = cs.Windows()
+    fills: list[int] = []
+    real = windows.fill
+    windows.fill = lambda fd, view, off: fills.append(len(view)) or real(fd, view, off)
+    try:
+        with cs.WindowStream(path, size, None, windows, direct=direct,
+                             blocks=_blocks(data, block)) as f:
+            assert b"".join(iter(lambda: f.read(10_000), b"")) == data
+        assert fills and all(n % block == 0 for n in fills), fills
+        bad = bytearray(data)
+        bad[block + 1] ^= 0x01
+        path.write_bytes(bytes(bad))
+        with cs.WindowStream(path, size, None, windows, direct=direct,
+                             blocks=_blocks(data, block)) as f:
+            assert f.read(block) == data[:block]
+            with pytest.raises(cs.CheckpointDamaged, match=f"bytes {block}-{2 * block} do not"):
+                f.read(1)
+    finally:
+        windows.close()
+
+
 def test_a_read_far_ahead_keeps_the_main_runs_read_ahead(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # A large zip item's directory is read (at its end) before the item: the front-to-back

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import deepspeed
 
 from pipeline import checkpoint as ck
+from pipeline import fastio
 from pipeline.checkpoint_manager import CheckpointManager
 from pipeline.train.engines import DeepSpeedEngine
 
@@ -44,7 +45,7 @@ logging.getLogger("pipeline.checkpoint_manager").addHandler(
 def engine(seed):
     torch.manual_seed(seed)
     # 21 MB of model states: 5.2 M fp32 or 10.5 M bf16 parameters (in each rank's half at
-    # least one 4 MiB block wholly).
+    # least one block, pipeline.fastio.BLOCK_BYTES, wholly).
     layers = 10 if dtype == torch.bfloat16 else 5
     m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
     e = DeepSpeedEngine.__new__(DeepSpeedEngine)
@@ -97,8 +98,9 @@ if rank == 0:
         data = bytearray(f.read_bytes())
         head, nbytes = own_bytes[name, s]
         at = data.find(head)
-        flip = -(-at // (4 << 20)) * (4 << 20) + 100
-        assert at > 0 and flip - 100 + (4 << 20) <= at + nbytes
+        block = fastio.BLOCK_BYTES
+        flip = -(-at // block) * block + 100
+        assert at > 0 and flip - 100 + block <= at + nbytes
         data[flip] ^= 0xFF
         f.write_bytes(bytes(data))
 dist.barrier()
