@@ -145,6 +145,15 @@ def test_block_checked_stream_serves_verified_bytes_and_stops_at_a_damaged_block
         windows.close()
 
 
+def _recording_windows() -> tuple[cs.Windows, list[int]]:
+    """Windows whose fills record their lengths (in the returned list)."""
+    windows = cs.Windows()
+    fills: list[int] = []
+    real = windows.fill
+    windows.fill = lambda fd, view, off: fills.append(len(view)) or real(fd, view, off)
+    return windows, fills
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
 def test_blocks_larger_than_a_window_are_read_in_windows_of_whole_blocks(
         tmp_path: Path, direct: bool) -> None:
@@ -153,10 +162,7 @@ def test_blocks_larger_than_a_window_are_read_in_windows_of_whole_blocks(
     block = 2 * cs.WINDOW_BYTES
     size = 3 * block + 123
     path, data = _file(tmp_path, size)
-    windows = cs.Windows()
-    fills: list[int] = []
-    real = windows.fill
-    windows.fill = lambda fd, view, off: fills.append(len(view)) or real(fd, view, off)
+    windows, fills = _recording_windows()
     try:
         with cs.WindowStream(path, size, None, windows, direct=direct,
                              blocks=_blocks(data, block)) as f:
@@ -181,10 +187,7 @@ def test_a_read_far_ahead_keeps_the_main_runs_read_ahead(tmp_path: Path,
     monkeypatch.setattr(cs.WindowStream, "MIN_AHEAD", 4096)
     size, block = 65536 * 8, 4096
     path, data = _file(tmp_path, size)
-    windows = cs.Windows()
-    fills: list[int] = []
-    real = windows.fill
-    windows.fill = lambda fd, view, off: fills.append(len(view)) or real(fd, view, off)
+    windows, fills = _recording_windows()
     try:
         with cs.WindowStream(path, size, None, windows, blocks=_blocks(data, block)) as f:
             got = bytearray()
