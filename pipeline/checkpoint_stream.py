@@ -52,7 +52,9 @@ QUEUE_DEPTH = 4
 #: 1.16 s against 1.29 s with 16 MiB windows for fsdp, 1.70 s against 1.85 s for deepspeed.
 #: (Earlier, 16 MiB requests had measured worse than 4 MiB ones.) A file whose block checksums
 #: are larger (checkpoints written before 1 MiB blocks) gets windows of a whole number of its
-#: blocks (:class:`WindowStream`).
+#: blocks (:class:`WindowStream`). Tuned on that VM's virtio disk only: a parallel filesystem
+#: (Lustre, GPFS) may want larger requests and more of them in flight; measure there
+#: (``python -m bench.checkpoint --workdir <its path>``) before changing these.
 WINDOW_BYTES = CHUNK_BYTES * QUEUE_DEPTH
 #: The largest block checksum a reader checks (a window holds whole blocks): a manifest that
 #: names larger blocks is verified by hashing the whole file instead.
