@@ -29,8 +29,8 @@ disk is read once (issue 14).
    load on every rank; the manager loads the next older checkpoint over it
    (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
 
-Which rank reads which file is decided from the file names alone (the manager does not know the
-engine's layout): a wrong guess costs a read more, never correctness.
+Which rank reads which file is decided from the file names alone
+(:mod:`pipeline.checkpoint_claims`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import contextlib
 import errno
 import io
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,14 @@ from typing import Any
 
 import xxhash
 
+from pipeline.checkpoint_claims import (
+    DS_MODEL,
+    DS_ZERO,
+    KEEP_BYTES,
+    assign,
+    claims,
+    is_partition,
+)
 from pipeline.checkpoint_stream import (
     MAX_BLOCK_BYTES,
     CheckpointDamaged,
@@ -59,9 +66,6 @@ from pipeline.checkpoint_stream import (
 from pipeline.errors import PipelineError
 from pipeline.fastio import DIGEST
 
-#: Files up to this size are verified in memory and served from there; larger ones are read by
-#: the engine through reused buffers (block-checked, or hashed whole beforehand).
-KEEP_BYTES = 1 << 20
 #: Whether a resume reads the large files through the page cache (the checksum pass fills it,
 #: the engine's read finds the pages there: one read from the disk) or with O_DIRECT (two).
 #: Measured in one run on the development VM (python -m bench.checkpoint, A/B twice, the first
@@ -71,75 +75,6 @@ KEEP_BYTES = 1 << 20
 #: in the same process favoured the page cache (1.55-1.73 s against 2.10-2.19 s). O_DIRECT, as
 #: measured; on a machine where the page cache fills at disk speed the other way reads less.
 THROUGH_PAGE_CACHE = False
-
-_DCP_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")
-_RNG = re.compile(r"^rng/rank-(\d+)\.pt$")
-_DS_ZERO = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
-_DS_MODEL = re.compile(r"(?:^|/)mp_rank_(\d+)_model_states\.pt$")
-
-
-def _is_partition(rel: str) -> bool:
-    """Whether ``rel`` is a DeepSpeed ZeRO optimizer partition (one rank's)."""
-    m = _DS_ZERO.search(rel)
-    return m is not None and m.group(3) == "optim"
-
-
-#: Small files every rank reads itself (DCP's index; the trainer state).
-_EVERY_RANK = frozenset({"dcp/.metadata", "trainer.json"})
-
-
-def claims(files: dict[str, dict[str, Any]], world: int, saved_world: Any) -> dict[str, list[int]]:
-    """Which ranks will read each file, as far as the names tell: ``{rel: [rank, ...]}``.
-
-    Per-rank files (DCP shards ``__<rank>_<n>.distcp``, RNG states, DeepSpeed's
-    ``zero_pp_rank_<dp>_mp_rank_<mp>`` partitions in rank order) belong to their rank only when
-    the checkpoint was saved by this many ranks; DeepSpeed's ``mp_rank_<m>_model_states.pt`` is
-    read by every rank of tensor-parallel rank ``m``."""
-    same = saved_world == world
-    out: dict[str, list[int]] = {}
-    zero: dict[str, list[tuple[int, int, str]]] = {}
-    model: list[tuple[int, str]] = []
-    for rel in files:
-        if rel in _EVERY_RANK:
-            out[rel] = list(range(world))
-        elif m := _DCP_SHARD.match(rel) or _RNG.match(rel):
-            if same and int(m.group(1)) < world:
-                out[rel] = [int(m.group(1))]
-        elif m := _DS_ZERO.search(rel):
-            zero.setdefault(m.group(3), []).append((int(m.group(1)), int(m.group(2)), rel))
-        elif m := _DS_MODEL.search(rel):
-            model.append((int(m.group(1)), rel))
-    for group in zero.values():
-        # AutoTP numbers ranks dp × tp + tp_rank: (dp, mp) order is rank order.
-        if same and len(group) == world:
-            for rank, (_, _, rel) in enumerate(sorted(group)):
-                out[rel] = [rank]
-    if model and world % len(model) == 0:
-        for m_rank, rel in model:
-            out[rel] = [r for r in range(world) if r % len(model) == m_rank]
-    return out
-
-
-def assign(files: dict[str, dict[str, Any]], world: int, saved_world: Any) -> dict[int, list[str]]:
-    """The files each rank verifies: those it claims (:func:`claims`; a large file that
-    several ranks claim by the one of them with the fewest bytes so far), and the unclaimed rest
-    shared out largest first to the rank with the fewest bytes so far (so that every file is
-    verified by at least one rank)."""
-    who = claims(files, world, saved_world)
-    out: dict[int, list[str]] = {r: [] for r in range(world)}
-    load = [0] * world
-    for rel, ranks in sorted(who.items(), key=lambda kv: (len(kv[1]), kv[0])):
-        if len(ranks) > 1 and files[rel]["bytes"] > KEEP_BYTES:
-            ranks = [min(ranks, key=lambda i: (load[i], i))]
-        for r in ranks:
-            out[r].append(rel)
-            load[r] += files[rel]["bytes"]
-    for rel in sorted(set(files) - set(who), key=lambda k: (-files[k]["bytes"], k)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        out[r].append(rel)
-        load[r] += files[rel]["bytes"]
-    return out
-
 
 def read_file(path: Path, size: int) -> memoryview:
     """The ``size`` bytes of a small file (at most :data:`KEEP_BYTES`), through the page
@@ -270,10 +205,10 @@ class VerifiedFiles:
             view = self.get(path)
             with _MemoryFile(view) if view is not None else open(path, "rb") as g:
                 classes = ds_classes(g, Path(path))
-            if view is None and _DS_MODEL.search(Path(path).name):
+            if view is None and DS_MODEL.search(Path(path).name):
                 return load_ds_stream(os.fspath(path), Path(path), classes, map_location)
             with self.open(path) as f:
-                if (rel in self.digests and _is_partition(rel)
+                if (rel in self.digests and is_partition(rel)
                         and self.targets is not None and not self.partition_read
                         and str(map_location or "cpu") == "cpu"):
                     # A partition read now (small, or without block checksums): into the
@@ -375,7 +310,7 @@ def _check(path: Path, rel: str, info: dict[str, Any], windows: Windows,
             view = None
             # DeepSpeed's model states are memory-mapped by the engine's load (ds_loader): read
             # through the page cache here, that load finds them there (one read of the disk).
-            mapped = _DS_MODEL.search(rel) is not None
+            mapped = DS_MODEL.search(rel) is not None
             digest = digest_file_windowed(path / rel, size, windows, algorithm=algorithm,
                                         direct=not (THROUGH_PAGE_CACHE or mapped))
     except OSError as err:
@@ -413,7 +348,7 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
                                           out.targets)
                 else:
                     loaded = load_ds_stream(f, path / rel, classes, "cpu")
-                if _DS_MODEL.search(rel):
+                if DS_MODEL.search(rel):
                     out.states[rel] = loaded
                 else:
                     out.loaded[rel] = loaded
@@ -466,7 +401,7 @@ def split_shared(files: dict[str, dict[str, Any]], who: dict[str, list[int]],
     out = {}
     for rel, ranks in who.items():
         blocks = usable_blocks(files[rel])
-        if len(ranks) < 2 or rank not in ranks or blocks is None or not _DS_MODEL.search(rel):
+        if len(ranks) < 2 or rank not in ranks or blocks is None or not DS_MODEL.search(rel):
             continue
         n, i = len(blocks[1]), ranks.index(rank)
         lo, hi = n * i // len(ranks), n * (i + 1) // len(ranks)
@@ -486,7 +421,7 @@ def split_states(files: dict[str, dict[str, Any]], who: dict[str, list[int]], ra
     if targets is None or not targets.skip:
         return frozenset()
     return frozenset(rel for rel, ranks in who.items()
-                     if _DS_MODEL.search(rel) and len(ranks) == 2 and rank in ranks
+                     if DS_MODEL.search(rel) and len(ranks) == 2 and rank in ranks
                      and files[rel]["bytes"] > KEEP_BYTES and usable_blocks(files[rel]))
 
 
@@ -494,7 +429,7 @@ def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> 
     """Whether this rank leaves ``rel`` to be verified block by block as it is read, instead of
     hashing it before: a large file with block checksums that this rank alone reads, through a
     stream (not DeepSpeed's memory-mapped model states)."""
-    return (readers == [rank] and info["bytes"] > KEEP_BYTES and not _DS_MODEL.search(rel)
+    return (readers == [rank] and info["bytes"] > KEEP_BYTES and not DS_MODEL.search(rel)
             and usable_blocks(info) is not None)
 
 
@@ -533,7 +468,7 @@ def verify_local(path: Path, files: dict[str, dict[str, Any]], mine: list[str],
         if why is not None:
             return out, why, refused
     for rel in sorted(mine, key=lambda k: (-files[k]["bytes"], k)):
-        if rel in parts or rel in states or (rel in once and not _DS_ZERO.search(rel)):
+        if rel in parts or rel in states or (rel in once and not DS_ZERO.search(rel)):
             continue
         if rel in once:
             why, refused = _preload_ds(path, rel, out)

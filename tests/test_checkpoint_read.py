@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline import checkpoint as ck
+from pipeline import checkpoint_claims as cc
 from pipeline import checkpoint_read as cr
 from pipeline.checkpoint_manager import CheckpointManager
 
@@ -45,13 +46,13 @@ def _flip(path: Path, offset: int) -> None:
 
 def test_every_file_is_verified_by_some_rank_and_shards_by_their_own() -> None:
     files = {rel: {"bytes": n} for rel, n in FILES.items()}
-    mine = cr.assign(files, 2, 2)
+    mine = cc.assign(files, 2, 2)
     assert "dcp/__0_0.distcp" in mine[0] and "dcp/__0_0.distcp" not in mine[1]
     assert "dcp/__1_0.distcp" in mine[1] and "dcp/__1_0.distcp" not in mine[0]
     assert all(f in mine[0] and f in mine[1] for f in ("dcp/.metadata", "trainer.json"))
     assert set(mine[0]) | set(mine[1]) == set(files)
     # Saved by another world size: no shard belongs to a rank, all are still shared out.
-    other = cr.assign(files, 2, 4)
+    other = cc.assign(files, 2, 4)
     assert set(other[0]) | set(other[1]) == set(files)
 
 
@@ -242,7 +243,7 @@ def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Pat
     path = ck.finalize(tmp_path, 1, {"world_size": 2}, keep_last=5,
                        known=digests.relative_to(tmp))
     files = json.loads((path / ck.MANIFEST).read_text())["files"]
-    who = cr.claims(files, 2, 2)
+    who = cc.claims(files, 2, 2)
     assert who[rel] == [0, 1]
     shares = [cr.split_shared(files, who, r)[rel] for r in (0, 1)]
     size = files[rel]["bytes"]
