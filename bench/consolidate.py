@@ -137,7 +137,8 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = str(s.getsockname()[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-import deepspeed
+from pipeline.train.extensions import import_deepspeed
+deepspeed = import_deepspeed()
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.io import write_json_atomic

@@ -203,7 +203,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import deepspeed
+
+from pipeline.train.extensions import import_deepspeed
+
+deepspeed = import_deepspeed()  # as the pipeline does: op loads safe from a stale lock
 
 from pipeline.train.engines import DeepSpeedEngine
 

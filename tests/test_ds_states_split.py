@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import deepspeed
+
+from pipeline.train.extensions import import_deepspeed
+
+deepspeed = import_deepspeed()  # as the pipeline does: op loads safe from a stale lock
 
 from pipeline import checkpoint as ck
 from pipeline import fastio

@@ -90,8 +90,11 @@ def pipeline_module(model: Any, stages: int, *, activation_checkpointing: bool) 
     embedding joins the first, the head the last), as ``train.pp`` promises; config validation
     makes sure every stage gets one. With activation checkpointing every decoder wrapper is
     recomputed (not the embedding, whose integer input has no gradient to carry)."""
-    import deepspeed
     import torch.distributed as dist
+
+    from pipeline.train.extensions import import_deepspeed
+
+    deepspeed = import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     # PipelineModule makes its groups through deepspeed.comm, which deepspeed.initialize would

@@ -18,6 +18,7 @@ import torch
 from pipeline.config import RunConfig
 from pipeline.model import decoder_layers
 from pipeline.train.compile import compile_decoder_layers
+from pipeline.train.extensions import import_deepspeed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -335,7 +336,7 @@ class DeepSpeedEngine:
     ``PipeDataParallelTopology`` has axes ``(pipe, data)`` (rank = stage × dp + dp_rank)."""
 
     def __init__(self, model: Any, run: RunConfig, ds_config: dict[str, Any]) -> None:
-        import deepspeed
+        deepspeed = import_deepspeed()  # its JIT op loads safe from a killed process's lock
 
         t = run.train
         self.pp, self.tp = t.pp, t.tp
