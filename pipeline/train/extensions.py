@@ -59,7 +59,9 @@ def builders_in(build_dir: Path) -> list[int]:
     this node's processes can be seen; ``/proc`` entries that vanish or that this user may not
     read are skipped."""
     target = os.path.realpath(build_dir)
-    found = []
+    found: list[int] = []
+    if not os.path.isdir("/proc"):  # not Linux: no process is known to build
+        return found
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
