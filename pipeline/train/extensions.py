@@ -73,7 +73,7 @@ def builders_in(build_dir: Path) -> list[int]:
     return found
 
 
-def clear_stale_lock(build_dir: Path, *, exclusive: bool, now: float | None = None) -> bool:
+def clear_stale_lock(build_dir: Path, *, exclusive: bool) -> bool:
     """Remove torch's ``lock`` in ``build_dir`` if it is stale; True if one was removed.
 
     ``exclusive``: the caller holds :data:`GUARD_NAME`'s ``flock``, so no zerosnake process is
@@ -81,7 +81,7 @@ def clear_stale_lock(build_dir: Path, *, exclusive: bool, now: float | None = No
     must also be :data:`STALE_AFTER_S` old."""
     lock = build_dir / "lock"
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
     if not exclusive and age < STALE_AFTER_S:
