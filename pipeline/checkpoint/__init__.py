@@ -1,0 +1,1 @@
+"""Checkpoint folders: format, save, verify, read, resume, reuse."""

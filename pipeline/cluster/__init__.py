@@ -1,0 +1,1 @@
+"""How a job meets the cluster: launch options, the sbatch script, the rank environment."""

@@ -1,0 +1,1 @@
+"""The typed config: schema, types, files, presets, ``python -m pipeline.config``."""

@@ -1,0 +1,1 @@
+"""The model: build from a config, FLOP and parameter figures."""

@@ -1,0 +1,1 @@
+"""Observability: trackers (TensorBoard, MLflow, W&B) and goodput."""

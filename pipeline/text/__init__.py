@@ -1,0 +1,1 @@
+"""Raw text in: sources, readers, encoders, the tokenizer."""
