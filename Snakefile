@@ -6,7 +6,7 @@ from snakemake.utils import min_version
 min_version("8.0")
 
 
-# The default config. common.smk reads it again with every --configfile (pipeline.config_files:
+# The default config. common.smk reads it again with every --configfile (pipeline.config.files:
 # a later file's `runs:` replaces the earlier runs, a duplicate YAML key is an error) and sets
 # `config` to the result; `python -m pipeline.config check FILE` does the same.
 configfile: "config/config.yaml"
@@ -16,7 +16,7 @@ envvars:
     "PATH",
 
 
-# The typed parse (pipeline/config.py, in common.smk) is the only validation: it rejects unknown
+# The typed parse (pipeline/config/schema.py, in common.smk) is the only validation: it rejects unknown
 # keys, wrong types and impossible values, naming the key path (train.micro_batch_size). No
 # `snakemake.utils.validate(config, "config/schema.json")` after it: the schema is generated from
 # the same classes (a test keeps it in sync), so it could never fail where the parse passed, and

@@ -35,8 +35,8 @@ def worker(run_dir: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipeline import checkpoint as ck
-    from pipeline.checkpoint_manager import CheckpointManager
+    from pipeline.checkpoint import format as ck
+    from pipeline.checkpoint.manager import CheckpointManager
 
     run_cfg, env_, engine = start_engine(run_dir)
 

@@ -53,7 +53,7 @@ VOCAB, SEQ = 384, 32
 def prepare_data(work: Path) -> Path:
     """The stdlib tokenized once (2 shards), as the tests' tiny dataset."""
     data, src = work / "data", "<stdlib>/[a-c]*.py"
-    steps = [["pipeline.tokenizer", "train", "--input", src, "--vocab-size", str(VOCAB),
+    steps = [["pipeline.tokenize", "tokenizer", "train", "--input", src, "--vocab-size", str(VOCAB),
               "--max-bytes", "1000000", "--out", str(data / "tokenizer")]]
     steps += [["pipeline.tokenize", "shard", "--input", src, "--tokenizer",
                str(data / "tokenizer"), "--seq-len", str(SEQ), "--shards", "2", "--shard", s,

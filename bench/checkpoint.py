@@ -10,7 +10,7 @@ moments exist), then
   for fsdp, ``save_checkpoint`` for deepspeed; RNG states; ``trainer.json``; the xxh3
   manifest; the rename into place), timed from the first rank's start to the last rank's end;
 * load: what a resume does, ``CheckpointManager.resume`` (rank 0 checks the structure, every
-  rank verifies its share, ``pipeline.checkpoint_read``: DeepSpeed's partitions deserialized
+  rank verifies its share, ``pipeline.checkpoint.read``: DeepSpeed's partitions deserialized
   there, block-checked) and ``CheckpointManager.load`` (the engine reads: DCP's shards
   block-checked as they are read, straight into the model and optimizer; DeepSpeed's model
   states memory-mapped), after the checkpoint's pages were evicted from the page cache
@@ -93,10 +93,10 @@ def start_engine(run_dir: Path, step: bool = True) -> tuple[Any, Any, Any]:
     import torch
     import torch.distributed as dist
 
-    from pipeline.config_files import load_run_config
-    from pipeline.distenv import RankEnv
+    from pipeline.cluster.env import RankEnv
+    from pipeline.config.files import load_run_config
     from pipeline.io import read_json
-    from pipeline.model import build_model
+    from pipeline.model.build import build_model
 
     run_cfg = load_run_config(run_dir / "config.json")
     env_ = RankEnv.from_env()
@@ -229,8 +229,8 @@ def worker(run_dir: Path) -> None:
     """One rank under torchrun: one step, then the trainer's save and a resume's load, timed."""
     import torch.distributed as dist
 
-    from pipeline import checkpoint as ck
-    from pipeline.checkpoint_manager import CheckpointManager
+    from pipeline.checkpoint import format as ck
+    from pipeline.checkpoint.manager import CheckpointManager
 
     run_cfg, env_, engine = start_engine(run_dir)
     params = _params(engine)
@@ -291,7 +291,7 @@ def fresh_load_worker(run_dir: Path, index: int) -> None:
     as :func:`_timed_load`; every restored tensor is checked against the save's digests."""
     import torch.distributed as dist
 
-    from pipeline.checkpoint_manager import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     run_cfg, env_, engine = start_engine(run_dir, step=False)
     manager = CheckpointManager.for_run(run_dir, run_cfg, data_hash="bench-data",
@@ -316,7 +316,7 @@ def state_bytes(engine: Any) -> int:
 
 
 #: One new process faulting in ``argv[1]`` bytes of new memory with the advice and steps of
-#: ``pipeline.checkpoint_stream.prefault`` (``argv[2]``, ``argv[3]``); prints seconds. Its own
+#: ``pipeline.checkpoint.stream.prefault`` (``argv[2]``, ``argv[3]``); prints seconds. Its own
 #: loop, not ``prefault``: that one gives up silently where the kernel refuses the advice.
 _TOUCH = """
 import ctypes, mmap, sys, time
@@ -338,7 +338,7 @@ def first_touch_s(nbytes: int, procs: int = 2) -> float | None:
     what a requeued job's ranks pay for the optimizer state their load makes, on this machine
     (on a VM that hands free memory back to its host, each page is the host's fault too).
     None where the advice is refused (not Linux 5.14+)."""
-    from pipeline.checkpoint_stream import MADV_POPULATE_WRITE, PREFAULT_BYTES
+    from pipeline.checkpoint.stream import MADV_POPULATE_WRITE, PREFAULT_BYTES
 
     argv = [str(nbytes), str(MADV_POPULATE_WRITE), str(PREFAULT_BYTES)]
     runs = [subprocess.Popen([sys.executable, "-c", _TOUCH, *argv],

@@ -46,7 +46,7 @@ def run_module(argv: list[str], cwd: Path) -> None:
 
 def tokenize(work: Path, vocab: int, seq_len: int) -> Path:
     data, src = work / "data", "<stdlib>/[a-m]*.py"
-    run_module(["pipeline.tokenizer", "train", "--input", src, "--vocab-size", str(vocab),
+    run_module(["pipeline.tokenize", "tokenizer", "train", "--input", src, "--vocab-size", str(vocab),
                 "--max-bytes", "3000000", "--out", str(data / "tokenizer")], work)
     run_module(["pipeline.tokenize", "shard", "--input", src, "--tokenizer",
                 str(data / "tokenizer"), "--seq-len", str(seq_len), "--shards", "1", "--shard",

@@ -114,7 +114,7 @@ import torch, torch.distributed.checkpoint as dcp
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.io import sha256_file, write_json_atomic
-from pipeline import checkpoint as ck
+from pipeline.checkpoint import format as ck
 a = {a!r}
 run = Path({run!r})
 cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["inter"],
@@ -142,7 +142,7 @@ deepspeed = import_deepspeed()
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.io import write_json_atomic
-from pipeline import checkpoint as ck
+from pipeline.checkpoint import format as ck
 a = {a!r}
 run = Path({run!r})
 cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["inter"],

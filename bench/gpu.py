@@ -98,7 +98,7 @@ def data_argvs(spec: ModelSpec, data: Path) -> list[list[str]]:
     """The tokenize stage's commands for one model's data (as bench/trainer.py runs them)."""
     tok = str(data / "tokenizer")
     return [
-        [sys.executable, "-m", "pipeline.tokenizer", "train", "--input", spec.sources,
+        [sys.executable, "-m", "pipeline.tokenize", "tokenizer", "train", "--input", spec.sources,
          "--vocab-size", str(spec.vocab_size), "--out", tok],
         [sys.executable, "-m", "pipeline.tokenize", "shard", "--input", spec.sources,
          "--tokenizer", tok, "--seq-len", str(spec.seq_len), "--shards", "1", "--shard", "0",
@@ -137,10 +137,10 @@ def check_argv(argv: list[str]) -> None:
                 or ns.nproc_per_node != "1":
             raise ValueError(f"torchrun does not start one bench.gpu_worker: {argv!r}")
         _parse(worker_parser(), ns.training_script_args, argv)
-    elif module == "pipeline.tokenizer":
-        from pipeline.tokenizer import _parser
+    elif module == "pipeline.tokenize" and rest[:1] == ["tokenizer"]:
+        from pipeline.text.tokenizer import _parser
 
-        _parse(_parser(), rest, argv)
+        _parse(_parser(), rest[1:], argv)
     elif module == "pipeline.tokenize":
         from pipeline.tokenize.__main__ import _parser as tparser
 

@@ -51,7 +51,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
 def prepare(work: Path, args: argparse.Namespace) -> Path:
     data, src = work / "data", "<stdlib>/[a-m]*.py"
     for cmd in (
-        ["pipeline.tokenizer", "train", "--input", src, "--vocab-size", str(args.vocab),
+        ["pipeline.tokenize", "tokenizer", "train", "--input", src, "--vocab-size", str(args.vocab),
          "--max-bytes", "2000000", "--out", str(data / "tokenizer")],
         ["pipeline.tokenize", "shard", "--input", src, "--tokenizer", str(data / "tokenizer"),
          "--seq-len", str(args.seq_len), "--shards", "1", "--shard", "0", "--out", str(data),

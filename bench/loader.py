@@ -12,7 +12,7 @@ reads the same sequences in the same shuffled order two ways:
 
 Goal (issue 14): loader / baseline >= 0.9, for the plain loader (no ``train.mixture``: the
 default) and, for reference, with a mixture over the same data (``{source0: 1}``: every entry
-goes through :class:`pipeline.data.Mixture`, same rows in another order). The page cache is
+goes through :class:`pipeline.data.loader.Mixture`, same rows in another order). The page cache is
 warm for all; runs alternate and each keeps its best of ``--repeats``.
 """
 
@@ -37,10 +37,10 @@ def main() -> None:
 
     import torch
 
-    from pipeline.data import BatchLoader, PackedDataset
-    from pipeline.readers import iter_texts
+    from pipeline.data.loader import BatchLoader, PackedDataset
+    from pipeline.text.readers import iter_texts
+    from pipeline.text.tokenizer import train_tokenizer
     from pipeline.tokenize import SourceSpec, gather, tokenize_shard
-    from pipeline.tokenizer import train_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="zs-bench-loader-"))
     try:

@@ -62,8 +62,8 @@ def build_stdlib_corpus(dst: Path, min_mb: int) -> tuple[list[Path], int]:
 
 
 def read_docs(paths: list[Path], blank_line: bool) -> list[str]:
-    from pipeline.readers import DocReader
-    from pipeline.sources import SourceSpec, plan
+    from pipeline.text.readers import DocReader
+    from pipeline.text.sources import SourceSpec, plan
 
     spec = SourceSpec.from_args(
         [str(p) for p in paths], doc_split="blank-line" if blank_line else "file"
@@ -98,7 +98,7 @@ def bench_pipeline(
 
 
 def bench_hf(docs: list[str], tok: Path) -> tuple[float, int]:
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.text.tokenizer import load_tokenizer
 
     t_ = load_tokenizer(tok)
     n = 0
@@ -137,9 +137,9 @@ def main() -> None:
     ap.add_argument("--skip-datasets", action="store_true")
     args = ap.parse_args()
 
-    from pipeline.readers import iter_texts
-    from pipeline.sources import SourceSpec
-    from pipeline.tokenizer import cpu_count, train_tokenizer
+    from pipeline.text.readers import iter_texts
+    from pipeline.text.sources import SourceSpec
+    from pipeline.text.tokenizer import cpu_count, train_tokenizer
 
     cores = cpu_count()
     work = Path(tempfile.mkdtemp(prefix="zs-bench-tok-"))

@@ -49,8 +49,8 @@ def bare(run_dir: Path, data_dir: Path, steps: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.config_files import load_run_config
-    from pipeline.data import PackedDataset
+    from pipeline.config.files import load_run_config
+    from pipeline.data.loader import PackedDataset
 
     run = load_run_config(run_dir / "config.json")
     m, t = run.model, run.train
@@ -127,7 +127,7 @@ def main() -> None:
         data = work / "data"
         src = "<stdlib>/[a-m]*.py"
         for cmd in (
-            ["pipeline.tokenizer", "train", "--input", src, "--vocab-size", str(args.vocab),
+            ["pipeline.tokenize", "tokenizer", "train", "--input", src, "--vocab-size", str(args.vocab),
              "--max-bytes", "3000000", "--out", str(data / "tokenizer")],
             ["pipeline.tokenize", "shard", "--input", src, "--tokenizer", str(data / "tokenizer"),
              "--seq-len", str(args.seq_len), "--shards", "1", "--shard", "0", "--out", str(data),

@@ -252,7 +252,7 @@ def checkpoint_steps(root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run: its manifest (written last) exists. Cheap, no
     checksums: what status and the launcher report. The trainer and consolidate resume from
-    or read the newest one that also *verifies* (``pipeline.checkpoint.latest_valid``)."""
+    or read the newest one that also *verifies* (``pipeline.checkpoint.format.latest_valid``)."""
     for _, path in reversed(checkpoint_steps(run_dir / CHECKPOINTS)):
         if (path / CKPT_MANIFEST).is_file():
             return path
@@ -334,7 +334,7 @@ def check_data_manifest(m: dict[str, Any], path: Path) -> None:
 
 
 def read_run_config_json(run_dir: Path) -> dict[str, Any]:
-    """The rendered run's ``config.json`` as plain JSON (``pipeline.config.load_run_config``
+    """The rendered run's ``config.json`` as plain JSON (``pipeline.config.files.load_run_config``
     parses and validates it)."""
     return read_artifact(run_dir / RUN_CONFIG, "rendered run config",
                          hint="run the render stage first")

@@ -7,7 +7,7 @@ against its manifest before any file of it is opened), and writes ``config.json`
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it offline.
 
 Streaming: the full model never exists in memory. Tensor names, shapes and dtypes are known
-before any weight is read (``pipeline.checkpoint_tensors``), so every safetensors header is
+before any weight is read (``pipeline.checkpoint.tensors``), so every safetensors header is
 written first and then each tensor is read, converted and appended on its own. Peak memory is
 about one fp32 tensor, its converted copy and one source chunk (≤ 2× the largest tensor), plus
 a constant (imports, small tensors grouped up to ``checkpoint_tensors.GROUP_BYTES``).
@@ -32,17 +32,17 @@ from typing import Any
 import torch
 
 from pipeline import artifacts as af
-from pipeline import checkpoint as ck
-from pipeline import fastio
-from pipeline.checkpoint_ds import load_deepspeed_model_state, open_source  # noqa: F401
-from pipeline.checkpoint_tensors import (  # noqa: F401  (GROUP_BYTES: tests and benchmarks)
+from pipeline.checkpoint import fastio
+from pipeline.checkpoint import format as ck
+from pipeline.checkpoint.deepspeed import load_deepspeed_model_state, open_source  # noqa: F401
+from pipeline.checkpoint.tensors import (  # noqa: F401  (GROUP_BYTES: tests and benchmarks)
     GROUP_BYTES,
     load_dcp_model_state,
 )
-from pipeline.config_files import load_run_config
+from pipeline.config.files import load_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file, write_json_atomic
-from pipeline.model import hf_model_config
+from pipeline.model.build import hf_model_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = (
@@ -199,7 +199,7 @@ def consolidate(
     # Verified completely (every file listed, sized and checksummed, nothing unlisted, no
     # links) before any reader opens a file of it: DCP's .metadata and DeepSpeed's *.pt are
     # pickles, so nothing unverified may reach a loader, and what verified still loads only
-    # through allow-lists (pipeline.checkpoint_tensors).
+    # through allow-lists (pipeline.checkpoint.tensors).
     why = ck.verify(ckpt)
     if why is not None:
         raise PipelineError(f"checkpoint {ckpt} does not verify: {why}")

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from pipeline import artifacts as af
+from pipeline.data.mixture import mixture_shares, source_sizes
 from pipeline.errors import PipelineError
-from pipeline.goodput import format_goodput, goodput
 from pipeline.io import write_json_atomic, write_text_atomic
-from pipeline.mixture import mixture_shares, source_sizes
+from pipeline.observe.goodput import format_goodput, goodput
 
 # No trailing spaces: byte-level BPE attaches the space to the next word (" foo").
 PROMPTS = ("def", "import", "class", "    for", "if __name__ ==", "The")
@@ -39,7 +39,7 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     back gives exact byte counts even for tokens that split a multi-byte character (decoding a
     single such token would yield U+FFFD instead).
     """
-    from pipeline.tokenizer import byte_decoder
+    from pipeline.text.tokenizer import byte_decoder
 
     to_byte = byte_decoder()
     special = set(tokenizer.all_special_ids)
@@ -268,7 +268,7 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
 def _check_same_tokenizer(model_dir: Path, data_dir: Path, tok: dict[str, Any]) -> None:
     """The model folder's tokenizer is the one the data was tokenized with (consolidate copies
     it byte for byte), else the perplexity would be of other text than the model's."""
-    from pipeline.tokenizer import fingerprint
+    from pipeline.text.tokenizer import fingerprint
 
     if not (model_dir / "tokenizer.json").is_file() or not isinstance(tok.get("fingerprint"), str):
         return
@@ -349,7 +349,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
              lm_eval_tasks: Path | None = None, lm_eval_names: list[str] | None = None) -> dict[str, Any]:
     """Evaluate the HF model on the validation split; write metrics, plot and report (into
     ``out``, replaced as a whole: see :func:`_check_inputs`)."""
-    from pipeline.data import PackedDataset
+    from pipeline.data.loader import PackedDataset
 
     origin = _check_inputs(model_dir, run_dir, out, lm_eval_tasks, lm_eval_names)
     records = read_metrics(run_dir / af.METRICS)
@@ -397,7 +397,7 @@ def log_to_trackers(run_dir: Path, metrics: dict[str, Any]) -> None:
     """The evaluation's figures into the tracker runs training opened (``trackers.json``):
     ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``, ``eval/lm_eval/<task>/<metric>``
     at the evaluated step."""
-    from pipeline.trackers import Trackers
+    from pipeline.observe.trackers import Trackers
 
     config = af.read_json_or_none(run_dir / af.RUN_CONFIG) or {}
     names = list((config.get("train") or {}).get("trackers") or [])
@@ -441,7 +441,7 @@ def _report(run: str, m: dict[str, Any], records: list[dict[str, Any]],
         lines += ["## Data mixture (share of training tokens)", "", *format_mixture(m["mixture"]),
                   ""]
     if gp is not None:
-        # Where the training's wall time went (pipeline.goodput): attempts, saves, lost work.
+        # Where the training's wall time went (pipeline.observe.goodput): attempts, saves, lost work.
         lines += ["## Goodput", "", format_goodput(gp), ""]
     lines += [f"## Samples (temperature {SAMPLING['temperature']}, top-k {SAMPLING['top_k']}, "
               f"seed {SAMPLE_SEED})", ""]

@@ -8,7 +8,7 @@ results/report.html`` reads each run's files (``metrics.jsonl``, ``events.jsonl`
   validation loss as a point at its last step;
 * a table: validation loss, perplexity, bits per byte, lm-eval scores (one column per task and
   metric any run has), the data mixture (each source's consumed share of the training tokens
-  against its target, from the evaluation), median tokens/s, goodput (``pipeline.goodput``), GPU-hours (processes ×
+  against its target, from the evaluation), median tokens/s, goodput (``pipeline.observe.goodput``), GPU-hours (processes ×
   the wall time of the run's attempts) and the steps and tokens trained;
 * each run linked to its own report (``runs/<run>/eval/report.md``) and its plots
   (``runs/<run>/eval/loss.png``), by paths relative to the page.
@@ -33,8 +33,8 @@ from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
-from pipeline.goodput import goodput
 from pipeline.io import write_text_atomic
+from pipeline.observe.goodput import goodput
 
 
 def _num(v: Any) -> bool:
@@ -180,7 +180,7 @@ img.thumb {{ height: 60px; }}
 <body>
 <h1>zerosnake: {len(runs)} runs</h1>
 <p>Generated {e(stamp)}. Losses are per token of this batch's tokenizer; bits per byte compare
-across tokenizers. Goodput: productive step time / wall time of the training (pipeline.goodput).
+across tokenizers. Goodput: productive step time / wall time of the training (pipeline.observe.goodput).
 GPU-hours: processes × the wall time of every attempt.</p>
 <img id="loss-curves" alt="training loss against tokens, all runs" src="data:image/png;base64,{png}">
 <table id="runs">

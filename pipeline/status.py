@@ -3,7 +3,7 @@
 Reads only the run directories' artifacts (config.json, job.json, events.jsonl, metrics.jsonl,
 checkpoints/, stopped.json, train.done, hf/, eval/) plus one ``squeue`` call for the Slurm
 state of the recorded jobs, so it is cheap to run on a login node while jobs are queued.
-The goodput column is :func:`pipeline.goodput.goodput` (``--json``: its whole breakdown); a
+The goodput column is :func:`pipeline.observe.goodput.goodput` (``--json``: its whole breakdown); a
 time-limit signal lead shorter than the run's measured steps and saves need is a warning.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts as af
-from pipeline.distenv import squeue_states
+from pipeline.cluster.env import squeue_states
 from pipeline.errors import PipelineError
-from pipeline.goodput import goodput, save_time_warning
+from pipeline.observe.goodput import goodput, save_time_warning
 
 #: How many of the newest metrics records the tokens/s column averages.
 RATE_WINDOW = 20

@@ -1,4 +1,4 @@
-"""pipeline.checkpoint_dcp: a DCP item (one ``torch.save``d tensor) read straight into its
+"""pipeline.checkpoint.dcp: a DCP item (one ``torch.save``d tensor) read straight into its
 destination only when its own pickle says it is that tensor, whole; everything else goes DCP's
 way (``torch.load(weights_only=True)``), which still refuses what it always refused."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline import checkpoint_dcp as cd
+from pipeline.checkpoint import dcp as cd
 
 
 def _item(obj: object) -> cd.Slice:

@@ -1,4 +1,4 @@
-"""The checkpoint manager's resume-point choice (pipeline.checkpoint.resume_point), on
+"""The checkpoint manager's resume-point choice (pipeline.checkpoint.format.resume_point), on
 checkpoint folders written with the real finalize (no torch, no process group)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoint as ck
 from pipeline.artifacts import CKPT_TRAINER, checkpoint_steps
+from pipeline.checkpoint import format as ck
 from pipeline.errors import PipelineError
 
 
@@ -64,5 +64,5 @@ def test_finalize_prunes_to_keep_last(tmp_path):
 def test_the_checkpoint_module_imports_without_torch():
     import subprocess
 
-    code = "import sys, pipeline.checkpoint; sys.exit('torch' in sys.modules)"
+    code = "import sys, pipeline.checkpoint.format; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

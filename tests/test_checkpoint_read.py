@@ -1,4 +1,4 @@
-"""A resume's verification split over the ranks (pipeline.checkpoint_read): each rank checks the
+"""A resume's verification split over the ranks (pipeline.checkpoint.read): each rank checks the
 files it reads, every file is checked by some rank, and all ranks agree before any engine reads.
 
 The collective test runs the real ``CheckpointManager.resume`` on two gloo processes over
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import checkpoint as ck
-from pipeline import checkpoint_claims as cc
-from pipeline import checkpoint_read as cr
-from pipeline.checkpoint_manager import CheckpointManager
+from pipeline.checkpoint import claims as cc
+from pipeline.checkpoint import format as ck
+from pipeline.checkpoint import read as cr
+from pipeline.checkpoint.manager import CheckpointManager
 
 FILES = {
     "dcp/__0_0.distcp": 3 << 20,  # rank 0's shard (large: read with O_DIRECT)
@@ -64,7 +64,7 @@ def _manager_warnings() -> list[str]:
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    logging.getLogger("pipeline.checkpoint_manager").addHandler(Keep())
+    logging.getLogger("pipeline.checkpoint.manager").addHandler(Keep())
     return messages
 
 
@@ -101,7 +101,7 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.multiprocessing as mp
 
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
 
     # Shards smaller than a block have no block checksums: the resume hashes them whole.
     monkeypatch.setattr(fastio, "BLOCK_BYTES", 8 << 20)
@@ -145,15 +145,15 @@ class _DictEngine:
     def save(self, ckpt: Path) -> dict:
         import torch.distributed.checkpoint as dcp
 
-        from pipeline import fastio
-        from pipeline.checkpoint_async import dcp_writer
+        from pipeline.checkpoint import fastio
+        from pipeline.checkpoint.async_save import dcp_writer
 
         digests = fastio.Digests()
         dcp.save(self.state, storage_writer=dcp_writer(ckpt, digests))
         return {"digests": digests.relative_to(ckpt)}
 
     def load(self, ckpt: Path, extra: dict) -> None:
-        from pipeline.checkpoint_tensors import dcp_load
+        from pipeline.checkpoint.tensors import dcp_load
 
         dcp_load(self.state, ckpt / "dcp", fs=extra["verified"].dcp_filesystem())
 
@@ -233,7 +233,7 @@ def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_old
 def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Path) -> None:
     import torch
 
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
 
     rel = "ds/ds/mp_rank_00_model_states.pt"  # DeepSpeed's model states: every rank maps it
     tmp = ck.tmp_dir(tmp_path, 1)
@@ -263,7 +263,7 @@ def test_a_file_every_rank_maps_is_checked_in_shares_that_cover_it(tmp_path: Pat
 
 
 def test_block_checksums_are_used_up_to_the_largest_block_a_window_takes() -> None:
-    from pipeline.checkpoint_stream import MAX_BLOCK_BYTES
+    from pipeline.checkpoint.stream import MAX_BLOCK_BYTES
 
     def entry(block: int) -> dict:
         return {"bytes": 3 * block, "blocks": {"bytes": block, "xxh3_64": ["0" * 16] * 3}}

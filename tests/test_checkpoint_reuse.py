@@ -1,4 +1,4 @@
-"""pipeline.checkpoint_reuse: a torch file deserialized as ``torch.load(weights_only=True)``
+"""pipeline.checkpoint.reuse: a torch file deserialized as ``torch.load(weights_only=True)``
 would, with the storages of the tensors at the engine's paths read into the engine's own
 tensors (the state the load replaces anyway), in both of torch.save's formats."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint_reuse import LoadTargets, load_reusing
+from pipeline.checkpoint.reuse import LoadTargets, load_reusing
 from pipeline.errors import PipelineError
 
 N = 300_000
@@ -143,8 +143,8 @@ def test_a_legacy_file_whose_storage_list_is_not_a_list_is_refused() -> None:
 def _partition(root: Path, step: int) -> Path:
     """A checkpoint holding one DeepSpeed-named optimizer partition of 3 × 6 MB, written as the
     engine's files are (the zip format the rendered ds_config asks for; block checksums)."""
-    from pipeline import checkpoint as ck
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
+    from pipeline.checkpoint import format as ck
 
     tmp = ck.tmp_dir(root, step)
     (tmp / "ds/ds").mkdir(parents=True)
@@ -160,8 +160,8 @@ def _partition(root: Path, step: int) -> Path:
 
 
 def test_a_partition_is_verified_block_by_block_into_the_engines_memory(tmp_path: Path) -> None:
-    from pipeline import checkpoint_read as cr
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
+    from pipeline.checkpoint import read as cr
     from pipeline.io import read_json
 
     path = _partition(tmp_path, 1)
@@ -271,7 +271,7 @@ def test_moments_made_for_a_load_are_dropped_unless_the_engine_took_them(tmp_pat
     a fresh optimizer's uninitialized moments) are undone when the load did not take them, also
     where this rank read nothing (another rank found damage first), and left alone once the
     engine's load took the partition read into them."""
-    from pipeline.checkpoint_read import VerifiedFiles
+    from pipeline.checkpoint.read import VerifiedFiles
 
     for handed, expect_undone in ((False, True), (True, False)):
         targets, undone = _targets({("m",): torch.zeros(4)})

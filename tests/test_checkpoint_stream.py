@@ -1,4 +1,4 @@
-"""pipeline.checkpoint_stream: the resume's checksum pass and the engine's re-hashing read
+"""pipeline.checkpoint.stream: the resume's checksum pass and the engine's re-hashing read
 through reused O_DIRECT windows (small windows here, so that a few hundred KB span many)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from pipeline import checkpoint_stream as cs
+from pipeline.checkpoint import stream as cs
 from pipeline.errors import PipelineError
 
 
@@ -211,7 +211,7 @@ def _resident_bytes() -> int:
 def test_prefault_makes_new_memory_present_and_leaves_its_bytes_alone() -> None:
     """``prefault`` (run while a load writes into the same memory) must not change a byte: the
     bytes written before it and the pages it makes present (zero) are what they were."""
-    from pipeline.checkpoint_stream import prefault
+    from pipeline.checkpoint.stream import prefault
 
     big = torch.UntypedStorage(96 << 20)  # untouched: its pages are not present yet
     written = torch.tensor([], dtype=torch.uint8).set_(big)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from pipeline.config import (
+from pipeline.config.files import field_default, field_help
+from pipeline.config.schema import (
     ClusterConfig,
     DataConfig,
     PlanConfig,
@@ -12,13 +13,12 @@ from pipeline.config import (
     TokenizerConfig,
     TrainConfig,
 )
-from pipeline.config_files import field_default, field_help
 from pipeline.plan import Cluster
 from pipeline.plan.__main__ import _parser as plan_parser
-from pipeline.sources import SourceSpec
+from pipeline.text.sources import SourceSpec
+from pipeline.text.tokenizer import _parser as tokenizer_parser
 from pipeline.tokenize.__main__ import _parser as tokenize_parser
 from pipeline.tokenize.shard import tokenize_shard
-from pipeline.tokenizer import _parser as tokenizer_parser
 
 
 def _check(args, mirrors: dict[str, tuple[type, str]]) -> None:

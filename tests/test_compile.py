@@ -10,7 +10,7 @@ tokenized data; fp32, 10 steps, clipping off:
 - on CPU ``mfu`` is null in every metrics record and events.jsonl says why, once;
 - without a working C++ compiler a compiled run stops before its first step with one line
   naming ``train.compile`` and exit status 2 (a real missing compiler: ``CXX`` names none).
-- DeepSpeed ZeRO-3 with compile is refused by ``pipeline.config check`` (exit 2, the reason).
+- DeepSpeed ZeRO-3 with compile is refused by ``pipeline.config.schema check`` (exit 2, the reason).
 
 The compiled runs start one after the other: the second finds the first's graph in Inductor's
 on-disk cache (the default ``/tmp/torchinductor_<user>``, so a rerun of the test is faster too).
@@ -81,7 +81,7 @@ def test_compiled_losses_equal_eager(runs, backend):
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])
 def test_compiled_checkpoint_has_the_eager_names(runs, backend):
-    from pipeline.checkpoint_tensors import read_dcp_metadata
+    from pipeline.checkpoint.tensors import read_dcp_metadata
 
     dirs, _ = runs
     names = {}

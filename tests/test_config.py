@@ -8,8 +8,7 @@ import json
 import pytest
 import yaml
 
-from pipeline.config import json_schema
-from pipeline.config_files import (
+from pipeline.config.files import (
     expand_sources,
     load_config,
     load_yaml,
@@ -17,6 +16,7 @@ from pipeline.config_files import (
     parse_config,
     workflow_config_raw,
 )
+from pipeline.config.schema import json_schema
 from pipeline.errors import PipelineError
 from tests.conftest import REPO
 
@@ -112,7 +112,7 @@ def test_model_preset_fills_architecture_and_explicit_keys_win():
 
 
 def test_planner_keys_name_config_fields():
-    from pipeline.config import ClusterConfig, DataConfig, TrainConfig
+    from pipeline.config.schema import ClusterConfig, DataConfig, TrainConfig
     from pipeline.plan import KEYS
 
     sections = {"data": DataConfig, "cluster": ClusterConfig, "train": TrainConfig}

@@ -83,7 +83,7 @@ def work(tmp_path_factory) -> Path:
     )
     (work / "config.yaml").write_text(yaml.safe_dump(BASE))
     common = ["--doc-split", "blank-line"]
-    run_ok([PY, "-m", "pipeline.tokenizer", "train", "--input", "corpus.txt", "--vocab-size", "300",
+    run_ok([PY, "-m", "pipeline.tokenize", "tokenizer", "train", "--input", "corpus.txt", "--vocab-size", "300",
             "--out", "data/tokenizer", *common], work)
     run_ok([PY, "-m", "pipeline.tokenize", "shard", "--input", "corpus.txt", "--tokenizer",
             "data/tokenizer", "--seq-len", "32", "--shards", "1", "--shard", "0", "--out", "data",
@@ -256,7 +256,7 @@ def synthetic_run(root: Path, data_dir: Path, *, hidden: int, inter: int, layers
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline import checkpoint as ck
+    from pipeline.checkpoint import format as ck
     from pipeline.io import read_json, sha256_file, write_json_atomic
 
     cfg = dict(BASE, runs={"big": {}})

@@ -253,8 +253,8 @@ def test_planner_refuses_what_ddp_cannot_run():
 
 @pytest.mark.parametrize("strategy", ["manual", "auto"])
 def test_render_of_a_ddp_run_writes_no_engine_config(strategy):
-    from pipeline.config_files import parse_run_config
-    from pipeline.render import render_run
+    from pipeline.config.files import parse_run_config
+    from pipeline.plan.run import render_run
 
     run = parse_run_config({**BASE, "name": "r", "train": {
         **BASE["train"], "backend": "ddp", "precision": "fp16", "strategy": strategy}})
@@ -267,7 +267,7 @@ def test_render_of_a_ddp_run_writes_no_engine_config(strategy):
 def test_fp16_needs_a_loss_scaler():
     from pydantic import ValidationError
 
-    from pipeline.config import TrainConfig
+    from pipeline.config.schema import TrainConfig
 
     assert TrainConfig(backend="ddp", precision="fp16").loss_scale_init == 2.0**16
     with pytest.raises(ValidationError, match="fp16 needs loss scaling"):

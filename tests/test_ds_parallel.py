@@ -119,8 +119,8 @@ def test_checkpoint_consolidates_to_the_engine_logits(runs, data_dir, name):  # 
 
 
 def _rendered(**train):
-    from pipeline.config_files import parse_run_config
-    from pipeline.render import render_run
+    from pipeline.config.files import parse_run_config
+    from pipeline.plan.run import render_run
 
     run = parse_run_config({**BASE, "name": "r", "train": {**TRAIN, **train}})
     return run, render_run(run, vocab_size=384)["ds_config.json"]
@@ -148,8 +148,8 @@ def test_render_writes_the_keys_deepspeed_reads_for_autotp_and_pipelines():
 
 def test_pipeline_layers_compute_hf_logits_and_loss():
     """The wrappers, run in order, are the HF model's forward; the loss is HF's ``labels=``."""
-    from pipeline.config import ModelConfig
-    from pipeline.model import build_model
+    from pipeline.config.schema import ModelConfig
+    from pipeline.model.build import build_model
     from pipeline.train.ds_pipe import DecoderPipe, EmbedPipe, HeadPipe, causal_lm_loss
 
     model = build_model(ModelConfig(**BASE["model"]), vocab_size=384, eos_id=0, bos_id=None,

@@ -1,4 +1,4 @@
-"""A two-rank DeepSpeed resume reads its model states split (pipeline.checkpoint_read
+"""A two-rank DeepSpeed resume reads its model states split (pipeline.checkpoint.read
 ``split_states``): each rank reads, block-checked, the weights of the other rank's partition
 straight into its module's flat buffer and copies its own from the master partition it loads.
 
@@ -29,9 +29,9 @@ from pipeline.train.extensions import import_deepspeed
 
 deepspeed = import_deepspeed()  # as the pipeline does: op loads safe from a stale lock
 
-from pipeline import checkpoint as ck
-from pipeline import fastio
-from pipeline.checkpoint_manager import CheckpointManager
+from pipeline.checkpoint import format as ck
+from pipeline.checkpoint import fastio
+from pipeline.checkpoint.manager import CheckpointManager
 from pipeline.train.engines import DeepSpeedEngine
 
 rank, root, out = int(os.environ["RANK"]), Path(sys.argv[1]), Path(sys.argv[2])
@@ -41,14 +41,14 @@ cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
        "bf16": {"enabled": sys.argv[4] == "bf16"}}
 dtype = torch.bfloat16 if sys.argv[4] == "bf16" else torch.float32
 log = []
-logging.getLogger("pipeline.checkpoint_manager").addHandler(
+logging.getLogger("pipeline.checkpoint.manager").addHandler(
     type("Keep", (logging.Handler,), {"emit": lambda self, r: log.append(r.getMessage())})())
 
 
 def engine(seed):
     torch.manual_seed(seed)
     # 21 MB of model states: 5.2 M fp32 or 10.5 M bf16 parameters (in each rank's half at
-    # least one block, pipeline.fastio.BLOCK_BYTES, wholly).
+    # least one block, pipeline.checkpoint.fastio.BLOCK_BYTES, wholly).
     layers = 10 if dtype == torch.bfloat16 else 5
     m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
     e = DeepSpeedEngine.__new__(DeepSpeedEngine)

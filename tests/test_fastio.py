@@ -14,8 +14,8 @@ import pytest
 import torch
 import xxhash
 
-from pipeline import checkpoint as ck
-from pipeline import fastio
+from pipeline.checkpoint import fastio
+from pipeline.checkpoint import format as ck
 
 
 @pytest.mark.parametrize("sizes", [[0], [1], [4095], [4096, 1], [3, fastio.BUFFER_BYTES + 5, 7],
@@ -178,7 +178,7 @@ def test_dcp_metadata_is_unpickled_only_through_the_allow_list(tmp_path: Path) -
 
     import torch.distributed.checkpoint as dcp
 
-    from pipeline.checkpoint_tensors import DCPSource, dcp_load, read_dcp_metadata
+    from pipeline.checkpoint.tensors import DCPSource, dcp_load, read_dcp_metadata
     from pipeline.errors import PipelineError
 
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)},

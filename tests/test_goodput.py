@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.goodput import PARTS, format_goodput, goodput, safe_signal_lead_s, save_time_warning
+from pipeline.observe.goodput import (
+    PARTS,
+    format_goodput,
+    goodput,
+    safe_signal_lead_s,
+    save_time_warning,
+)
 from tests.conftest import PY, subprocess_env
 
 EVENTS = [

@@ -20,7 +20,7 @@ import pytest
 import submitit
 
 from pipeline import artifacts
-from pipeline.launchopts import LaunchOptions
+from pipeline.cluster.options import LaunchOptions
 from pipeline.train import node as launch
 
 

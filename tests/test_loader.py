@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import BatchLoader, PackedDataset, validation_batches
+from pipeline.data.loader import BatchLoader, PackedDataset, validation_batches
 from pipeline.errors import PipelineError
+from pipeline.text.tokenizer import train_tokenizer
 from pipeline.tokenize import SourceSpec, gather, shard_path, tokenize_shard
-from pipeline.tokenizer import train_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SEQ = 160
@@ -190,7 +190,7 @@ def test_planned_batches_equal_the_stream_step_by_step(data_dir: Path, mixture, 
     mapping (or row by row): its indices and rows are still exactly the stream's
     (next_indices; get_rows through pyarrow's own views), across plan and epoch boundaries, for
     a rank other than 0, and after the cursor is moved (a restored state) in a plan."""
-    from pipeline.data import PLAN_STEPS
+    from pipeline.data.loader import PLAN_STEPS
 
     ds = PackedDataset(data_dir)
     kw = {"micro_batch_size": 3, "dp_rank": 1, "dp_size": 2, "seed": 5, "mixture": mixture}

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.model import (
+from pipeline.model.build import (
     PEAK_FLOPS,
     device_peak_flops,
     flops_per_token,

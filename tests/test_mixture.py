@@ -15,16 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.data import BatchLoader, PackedDataset
-from pipeline.errors import PipelineError
-from pipeline.mixture import (
+from pipeline.data.loader import BatchLoader, PackedDataset
+from pipeline.data.mixture import (
     mixture_plan_line,
     mixture_shares,
     source_sizes,
 )
-from pipeline.sources import SourceSpec
+from pipeline.errors import PipelineError
+from pipeline.text.sources import SourceSpec
+from pipeline.text.tokenizer import train_tokenizer
 from pipeline.tokenize import gather, shard_path, tokenize_shard
-from pipeline.tokenizer import train_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SEQ = 32
@@ -176,7 +176,7 @@ def test_a_mixture_naming_an_unknown_or_empty_source_is_refused(data_dir: Path) 
 
 
 def test_plan_line_says_what_happens_when_a_source_runs_out(data_dir: Path) -> None:
-    from pipeline.config import TrainConfig
+    from pipeline.config.schema import TrainConfig
 
     ds = PackedDataset(data_dir)
     mix = {"code": 1.0, "prose": 1.0}

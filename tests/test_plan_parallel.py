@@ -13,13 +13,13 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import TrainConfig
-from pipeline.config_files import parse_config, parse_run_config
+from pipeline.config.files import parse_config, parse_run_config
+from pipeline.config.schema import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.plan import PRESETS, BatchSpec, Cluster, ModelShape, ParallelDims, Strategy, plan
+from pipeline.plan.run import render_run
 from pipeline.plan.strategy import ladder
 from pipeline.plan.topology import layer_params_per_tp_rank, params_per_rank, stage_layers
-from pipeline.render import render_run
 from pipeline.train.parallel import mesh_layout, parallel_dims
 from pipeline.train.tp import COLWISE, ROWWISE
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.launchopts import LaunchOptions
+from pipeline.cluster.options import LaunchOptions
+from pipeline.cluster.sbatch import render_submission
 from pipeline.plan import (
     PRESETS,
     BatchSpec,
@@ -31,7 +32,6 @@ from pipeline.plan import (
     validate_ds_config,
 )
 from pipeline.plan.strategy import ladder
-from pipeline.sbatch import render_submission
 
 GOLDEN = Path(__file__).parent / "golden" / "plan"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"

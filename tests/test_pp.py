@@ -130,9 +130,9 @@ def test_pipeline_checkpoint_consolidates_to_the_engine_logits(runs, data_dir, n
 def test_each_rank_holds_the_parameters_the_planner_counts(runs, name):
     """The planner's per-rank count (stage × TP share, before DP sharding) equals what the real
     engine's ranks hold: the local shards of one (stage, TP rank) summed over its DP ranks."""
-    from pipeline.config_files import load_run_config
+    from pipeline.config.files import load_run_config
+    from pipeline.plan.run import planner_inputs
     from pipeline.plan.topology import params_per_rank
-    from pipeline.render import planner_inputs
 
     events = map(json.loads, (runs[name] / "events.jsonl").read_text().splitlines())
     start = next(e for e in events if e["event"] == "start")

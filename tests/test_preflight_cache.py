@@ -7,10 +7,10 @@ import json
 import pytest
 import yaml
 
-import pipeline.render
-from pipeline import preflight_cache
-from pipeline.config_files import parse_config
+import pipeline.plan.run
+from pipeline.config.files import parse_config
 from pipeline.errors import PipelineError
+from pipeline.plan import preflight_cache
 from tests.conftest import REPO
 
 
@@ -23,7 +23,7 @@ def cfg():
 def calls(monkeypatch):
     """Runs the planner was asked to check (a stand-in for render_run: no DeepSpeed here)."""
     seen = []
-    monkeypatch.setattr(pipeline.render, "render_run",
+    monkeypatch.setattr(pipeline.plan.run, "render_run",
                         lambda run, *, vocab_size: seen.append(run.name) or {})
     monkeypatch.delenv("ZEROSNAKE_PREFLIGHT_CACHE", raising=False)
     preflight_cache._sha.cache_clear()
@@ -62,7 +62,7 @@ def test_a_failure_is_raised_every_time_and_never_recorded(cfg, monkeypatch, tmp
     def fail(run, *, vocab_size):
         raise PipelineError(f"pre-flight found 1 problem(s): {run.name}")
 
-    monkeypatch.setattr(pipeline.render, "render_run", fail)
+    monkeypatch.setattr(pipeline.plan.run, "render_run", fail)
     for _ in range(2):
         with pytest.raises(PipelineError, match="pre-flight"):
             preflight_cache.preflight_runs(cfg, cache_dir=tmp_path)

@@ -15,9 +15,9 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline.config_files import parse_config
+from pipeline.config.files import parse_config
 from pipeline.errors import PipelineError
-from pipeline.render import render_run
+from pipeline.plan.run import render_run
 from tests.conftest import PY, REPO, subprocess_env
 
 GOLDEN = REPO / "tests" / "golden" / "render"

@@ -47,11 +47,11 @@ def run_cli(*argv: str) -> None:
 def tokenize_for_tests(work: Path, config: dict) -> Path:
     """The tiny tokenized dataset these tests train on (2 shards, seq 32), built through the
     real tokenizer and tokenize commands from ``config``'s sources; returns the data dir."""
-    from pipeline.config_files import expand_sources, parse_config
+    from pipeline.config.files import expand_sources, parse_config
 
     files = [str(f) for f in expand_sources(parse_config(config).data.sources)]
     out = work / "data"
-    run_cli("pipeline.tokenizer", "train", "--input", *files, "--vocab-size", "384",
+    run_cli("pipeline.tokenize", "tokenizer", "train", "--input", *files, "--vocab-size", "384",
             "--out", str(out / "tokenizer"), "--format", "txt")
     for shard in range(2):
         run_cli("pipeline.tokenize", "shard", "--input", *files, "--tokenizer",
@@ -207,7 +207,7 @@ def test_kill_while_writing_a_checkpoint_then_resume_is_bit_exact(reference, dat
 def test_kill_during_a_background_save_never_loads_that_checkpoint(reference, data_dir, tmp_path):
     """train.checkpoint_async (the default): training goes on while a save is written; a job
     killed then leaves a folder without a manifest, and the resume takes the previous one."""
-    from pipeline.checkpoint_async import SLOW_SAVE_ENV
+    from pipeline.checkpoint.async_save import SLOW_SAVE_ENV
 
     run, ref_dir = reference
     run_dir = render(data_dir, run, tmp_path / run)
@@ -333,7 +333,7 @@ def test_resume_on_another_world_size_keeps_the_data_order(world_change, data_di
               if '"start"' in x]
     assert starts[-1]["resumed_from"] == stopped_at  # the 2-rank attempt's stop checkpoint
     # The 1-rank attempt consumed exactly what 2 ranks would have (rank 0 then rank 1 slices).
-    from pipeline.data import BatchLoader, PackedDataset
+    from pipeline.data.loader import BatchLoader, PackedDataset
 
     ds = PackedDataset(data_dir, split="train")
     ref = [BatchLoader(ds, micro_batch_size=4, dp_rank=r, dp_size=2, seed=1234) for r in range(2)]
@@ -363,8 +363,8 @@ def test_deepspeed_on_another_world_size_loads_its_universal_conversion(
     engine, run_dir, stopped_at = world_change
     if engine != "ds":
         pytest.skip("the fsdp run is the reference of the deepspeed one")
-    from pipeline.checkpoint import verify as verify_step
-    from pipeline.checkpoint_universal import universal_dir, verify
+    from pipeline.checkpoint.format import verify as verify_step
+    from pipeline.checkpoint.universal import universal_dir, verify
 
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["resumed_from"] for e in events if e["event"] == "start"][-1] == stopped_at
@@ -391,7 +391,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(da
     assert "loss is nan at step" in err or "loss is inf at step" in err, err[-2000:]
     nan_step = next(json.loads(x)["step"] for x in (run_dir / "events.jsonl").read_text().splitlines()
                     if '"nan"' in x)
-    from pipeline.checkpoint import latest_valid
+    from pipeline.checkpoint.format import latest_valid
 
     good = latest_valid(run_dir / "checkpoints")
     assert good is not None and good[0] == nan_step - 1

@@ -1,8 +1,8 @@
 """The launcher's options and its Slurm submission, without a cluster.
 
-* :class:`pipeline.launchopts.LaunchOptions` is the one definition of every launcher setting:
+* :class:`pipeline.cluster.options.LaunchOptions` is the one definition of every launcher setting:
   the CLI flags, the train rule's resources and the profiles' names all come from it.
-* :func:`pipeline.sbatch.render_submission` is what is submitted: a hostile job name is pinned
+* :func:`pipeline.cluster.sbatch.render_submission` is what is submitted: a hostile job name is pinned
   by a golden file, and the executor hands sbatch exactly that argv and script (a stand-in
   ``sbatch`` on PATH records what it got).
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launchopts
-from pipeline.launchopts import LAUNCH_RESOURCES, LaunchOptions, launch_argv
-from pipeline.sbatch import SUBMISSION_FILE, render_submission
+from pipeline.cluster import options as launchopts
+from pipeline.cluster.options import LAUNCH_RESOURCES, LaunchOptions, launch_argv
+from pipeline.cluster.sbatch import SUBMISSION_FILE, render_submission
 from tests.conftest import PY, REPO, subprocess_env
 
 GOLDEN = REPO / "tests" / "golden" / "sbatch"

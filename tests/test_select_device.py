@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.distenv import RankEnv
+from pipeline.cluster.env import RankEnv
 from pipeline.errors import PipelineError
 from pipeline.train.trainer import select_device
 

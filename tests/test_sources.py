@@ -8,9 +8,9 @@ from typing import get_args
 
 import pytest
 
-from pipeline.config import DocSplit, SourceConfig, SourceFormat
-from pipeline.config_files import expand_sources
-from pipeline.sources import DOC_SPLITS, FORMATS, SourceSpec, expand_paths
+from pipeline.config.files import expand_sources
+from pipeline.config.schema import DocSplit, SourceConfig, SourceFormat
+from pipeline.text.sources import DOC_SPLITS, FORMATS, SourceSpec, expand_paths
 
 
 @pytest.fixture()
@@ -54,7 +54,7 @@ def test_reader_value_sets_agree_with_the_config_types() -> None:
 def test_a_local_datasets_directory_is_read_as_its_arrow_files(tmp_path: Path) -> None:
     import datasets
 
-    from pipeline.readers import iter_texts
+    from pipeline.text.readers import iter_texts
 
     texts = [f"document {i}\nwith two lines" for i in range(50)] + ["  ", None]
     ds = datasets.Dataset.from_dict({"body": texts, "n": list(range(52))})

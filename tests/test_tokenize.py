@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import pipeline.sources as sources_mod
+import pipeline.text.sources as sources_mod
 import pipeline.tokenize.shard as shard_mod
 from pipeline.errors import PipelineError
+from pipeline.text.tokenizer import load_tokenizer, train_tokenizer
 from pipeline.tokenize import SourceSpec, gather, shard_path, stats_path, tokenize_shard
-from pipeline.tokenizer import load_tokenizer, train_tokenizer
 from tests.conftest import REPO
 from tests.conftest import require_corpora as corpora
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.tokenizer import (
+from pipeline.text.tokenizer import (
     EOS_TOKEN,
     HFEncoder,
     TiktokenEncoder,
@@ -154,7 +154,7 @@ def test_not_convertible_uses_hf(tok_dir: Path, tmp_path: Path) -> None:
 def test_disagreeing_fast_path_falls_back_with_warning(tok_dir: Path, monkeypatch) -> None:
     import tiktoken
 
-    import pipeline.tokenizer as tk
+    import pipeline.text.tokenizer as tk
 
     tok = load_tokenizer(tok_dir)
     good = tiktoken_encoding_from_hf(tok)
@@ -176,7 +176,7 @@ def test_disagreeing_fast_path_falls_back_with_warning(tok_dir: Path, monkeypatc
 
 
 def test_cli_help_and_errors(tmp_path: Path) -> None:
-    run = [sys.executable, "-m", "pipeline.tokenizer"]
+    run = [sys.executable, "-m", "pipeline.text.tokenizer"]
     r = subprocess.run([*run, "train", "--help"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "--vocab-size" in r.stdout
     r = subprocess.run(
@@ -205,7 +205,7 @@ def test_cli_train_from_jsonl(tmp_path: Path) -> None:
     src.write_text("".join(json.dumps({"body": t}) + "\n" for t in stdlib_texts(10)))
     out = tmp_path / "tok"
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.tokenizer", "train", "--input", str(src), "--text-field", "body",
+        [sys.executable, "-m", "pipeline.tokenize", "tokenizer", "train", "--input", str(src), "--text-field", "body",
          "--vocab-size", "400", "--out", str(out)],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
@@ -221,7 +221,7 @@ def test_import_a_local_tokenizer(tok_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tmp_path / "src" / "tokenizer.json"),
+        [sys.executable, "-m", "pipeline.tokenize", "tokenizer", "import", "--path", str(tmp_path / "src" / "tokenizer.json"),
          "--out", str(tmp_path / "a")],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
@@ -230,12 +230,12 @@ def test_import_a_local_tokenizer(tok_dir: Path, tmp_path: Path) -> None:
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
     assert hf.eos_token == EOS_TOKEN
     # A whole directory keeps its own config (here: the BOS token).
-    from pipeline.tokenizer import import_tokenizer
+    from pipeline.text.tokenizer import import_tokenizer
 
     out = import_tokenizer(tok_dir, tmp_path / "b")
     assert tokenizer_info(out, bos=True).bos_token == "<|startoftext|>"
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tmp_path / "none"), "--out", str(tmp_path / "c")],
+        [sys.executable, "-m", "pipeline.tokenize", "tokenizer", "import", "--path", str(tmp_path / "none"), "--out", str(tmp_path / "c")],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "c").exists()
@@ -245,14 +245,14 @@ def test_tokenizer_output_replaces_only_its_own_folder(tmp_path):
     """`tokenizer import --out results/data` must not delete the shards and manifest there; a
     tokenizer folder this command wrote (or an old one holding only tokenizer files) is
     replaced whole."""
-    from pipeline.tokenizer import import_tokenizer, train_tokenizer
+    from pipeline.text.tokenizer import import_tokenizer, train_tokenizer
 
     tok_dir = train_tokenizer(["def f(x): return x"] * 50, 300, tmp_path / "tok")
     data = tmp_path / "data"
     (data / "shards").mkdir(parents=True)
     (data / "manifest.json").write_text("{}")
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.tokenizer", "import", "--path", str(tok_dir),
+        [sys.executable, "-m", "pipeline.tokenize", "tokenizer", "import", "--path", str(tok_dir),
          "--out", str(data)],
         capture_output=True, text=True, cwd=REPO,
     )
@@ -277,7 +277,7 @@ def test_tokenizer_config_that_is_not_an_object_and_fingerprint_of_other_json(
 ) -> None:
     import shutil
 
-    from pipeline.tokenizer import tokenizer_info
+    from pipeline.text.tokenizer import tokenizer_info
 
     bad = tmp_path / "tk"
     shutil.copytree(tok_dir, bad)
@@ -286,6 +286,6 @@ def test_tokenizer_config_that_is_not_an_object_and_fingerprint_of_other_json(
         tokenizer_info(bad)
     other = tmp_path / "other.json"
     other.write_text('{"not": "a tokenizer"}')
-    r = subprocess.run([sys.executable, "-m", "pipeline.tokenizer", "fingerprint", str(other)],
+    r = subprocess.run([sys.executable, "-m", "pipeline.tokenize", "tokenizer", "fingerprint", str(other)],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.startswith("error: cannot load tokenizer")

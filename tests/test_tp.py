@@ -151,8 +151,8 @@ def test_tp_checkpoint_consolidates_to_the_engine_logits(runs, data_dir):  # noq
 def test_each_engine_accepts_the_layouts_it_runs_and_names_the_one_that_runs_the_rest():
     from pydantic import ValidationError
 
-    from pipeline.config import TrainConfig
-    from pipeline.config_files import parse_run_config
+    from pipeline.config.files import parse_run_config
+    from pipeline.config.schema import TrainConfig
     from pipeline.errors import PipelineError
 
     assert TrainConfig(backend="fsdp", tp=2, pp=2, grad_accum=2).pp == 2

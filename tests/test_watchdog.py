@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from pipeline.artifacts import heartbeat_path
-from pipeline.goodput import PARTS, goodput
+from pipeline.observe.goodput import PARTS, goodput
 from pipeline.train.watchdog import Limits, Watch, kill_tree
 from tests.conftest import PY, subprocess_env
 from tests.test_resume import CONFIG, run_cli, tokenize_for_tests

@@ -4,9 +4,9 @@ A save has two parts. The *blocking* part runs on the training thread: the engin
 copied into host memory (DCP's ``DefaultStager``: pinned on GPUs, its buffers reused from one
 save to the next, as torchtitan's ``async_with_pinned_mem``), so the next optimizer step may
 change the live tensors. The *background* part writes those copies (through
-:mod:`pipeline.fastio`, checksummed and fsynced as written), then every rank reports its
+:mod:`pipeline.checkpoint.fastio`, checksummed and fsynced as written), then every rank reports its
 checksums or its error to rank 0 on a dedicated gloo group, and rank 0 alone writes the
-manifest, renames the folder into place and prunes (:func:`pipeline.checkpoint.finalize`, the
+manifest, renames the folder into place and prunes (:func:`pipeline.checkpoint.format.finalize`, the
 same commit as a synchronous save). Until that manifest exists the folder is ``.tmp-step-N``,
 which no resume ever reads: a job killed mid-write loses that checkpoint, never the previous
 one.
@@ -61,7 +61,7 @@ def dcp_writer(ckpt: Path, digests: Any) -> Any:
     files through fastio's O_DIRECT writer, which checksums and fsyncs them itself."""
     import torch.distributed.checkpoint as dcp
 
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
 
     writer = dcp.FileSystemWriter(str(ckpt / "dcp"), thread_count=4, sync_files=False)
     writer.fs = fastio.dcp_filesystem(digests)
@@ -73,7 +73,7 @@ def dcp_save_async(state: dict[str, Any], ckpt: Path, pg: Any, stager: Any) -> F
     the future's result is ``{"digests": ...}`` relative to ``ckpt``."""
     import torch.distributed.checkpoint as dcp
 
-    from pipeline import fastio
+    from pipeline.checkpoint import fastio
 
     digests = fastio.Digests()
     upload = dcp.async_save(state, storage_writer=dcp_writer(ckpt, digests), process_group=pg,
@@ -120,7 +120,7 @@ class BackgroundWriter:
         self.items.append((self.stager.stage(state_dict), path))
 
     def start(self, ckpt: Path) -> Future:
-        from pipeline import fastio
+        from pipeline.checkpoint import fastio
 
         items, self.items = self.items, []
 

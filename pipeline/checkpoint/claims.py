@@ -1,6 +1,6 @@
 """Which rank reads which file of a checkpoint at a resume, decided from the file names alone
 (the checkpoint manager does not know the engine's layout: a wrong guess costs a read more,
-never correctness); used by :mod:`pipeline.checkpoint_read`."""
+never correctness); used by :mod:`pipeline.checkpoint.read`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ DCP's ``FileSystemReader.read_data`` ``torch.load``s every item of a shard file 
 (the model's parameter or the optimizer's state, both already allocated). Here, an item that is
 one plainly stored, contiguous tensor of the destination's dtype and shape is read from the
 file into the destination's own memory: no new tensor (fresh memory costs a page fault per page,
-a host fault on VMs that hand free memory back, see :mod:`pipeline.checkpoint_stream`) and one
+a host fault on VMs that hand free memory back, see :mod:`pipeline.checkpoint.stream`) and one
 copy fewer. What it is is still decided by the item's own pickle, unpickled by torch's
 ``weights_only`` unpickler with a storage on the ``meta`` device (no bytes); anything else
 (another layout, a slice of the item for a resharded load, a GPU destination, an extension
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint_stream import SeekableReader
+from pipeline.checkpoint.stream import SeekableReader
 from pipeline.errors import PipelineError
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")

@@ -1,9 +1,9 @@
 """DeepSpeed checkpoints' model tensors by HF name (ZeRO 0–3, AutoTP, PipelineModule), one at a
-time, without the engine: the DeepSpeed half of :mod:`pipeline.checkpoint_tensors`'s readers.
+time, without the engine: the DeepSpeed half of :mod:`pipeline.checkpoint.tensors`'s readers.
 
-Every file is opened through :func:`pipeline.checkpoint_tensors.load_ds_file` (memory-mapped,
+Every file is opened through :func:`pipeline.checkpoint.tensors.load_ds_file` (memory-mapped,
 ``weights_only=True``, DeepSpeed's classes as inert stand-ins); callers verify the checkpoint
-first (``pipeline.checkpoint.verify``).
+first (``pipeline.checkpoint.format.verify``).
 
 * ZeRO 1/2 (also bf16): the fp32 master weights are the ranks' flat
   ``single_partition_of_fp32_groups``; their concatenation over ranks is the flat group, where
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint_tensors import DCPSource, Source, TensorInfo, load_ds_file
+from pipeline.checkpoint.tensors import DCPSource, Source, TensorInfo, load_ds_file
 from pipeline.errors import PipelineError
 
 #: Attribute names of ``pipeline.train.ds_pipe``'s layer wrappers, which become the pipeline

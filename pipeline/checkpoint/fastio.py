@@ -11,7 +11,7 @@ The checksum (xxh3-128: ~20 GB/s, against sha256's ~1.3 GB/s with SHA-NI) is com
 bytes as they are written, so the manifest does not read the checkpoint back; a resume still
 verifies every file against it from disk. Integrity against torn or truncated writes is the
 goal, not tamper resistance: against a rewritten checkpoint (files and manifest), what stands is
-that nothing from it is unpickled except through allow-lists (``pipeline.checkpoint_tensors``).
+that nothing from it is unpickled except through allow-lists (``pipeline.checkpoint.tensors``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ DIGEST = "xxh3_128"
 #: larger than that (``"blocks"``), so that a resume verifies each block as the engine reads it
 #: (one read of the disk) instead of hashing the whole file before the engine reads it again
 #: (two). 1 MiB: a whole number of O_DIRECT pages; the reader's windows hold whole blocks and
-#: read fastest small (``pipeline.checkpoint_stream.WINDOW_BYTES``: 2 MiB), and a peek at an
+#: read fastest small (``pipeline.checkpoint.stream.WINDOW_BYTES``: 2 MiB), and a peek at an
 #: item's zip directory reads one block; 19 bytes of JSON per MiB (19 MB of manifest per TB of
 #: checkpoint). 64 bits, not 128, for the same reason: these detect damage, as the file's own
 #: digest does, not tampering. (Checkpoints written with 4 MiB blocks still read in one pass.)

@@ -14,7 +14,7 @@ checksums, hashes whatever else is there, writes the manifest and renames the fo
 (OLMo-core's tmp-then-rename). Manifests of older checkpoints with sha256 still verify.
 A folder without a manifest that verifies is never resumed from.
 
-:class:`pipeline.checkpoint_manager.CheckpointManager` is the trainer's policy over these
+:class:`pipeline.checkpoint.manager.CheckpointManager` is the trainer's policy over these
 folders (resume point, saves across ranks, loads). Only the RNG helpers need torch, and they
 import it when called: this module stays light for the login node's commands.
 """
@@ -42,8 +42,7 @@ from pipeline.artifacts import (
     inside,
     step_name,
 )
-from pipeline.errors import PipelineError
-from pipeline.fastio import (
+from pipeline.checkpoint.fastio import (
     ALIGN,
     BLOCK_DIGEST,
     DIGEST,
@@ -51,10 +50,11 @@ from pipeline.fastio import (
     digest_file_blocks,
     manifest_entry,
 )
+from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, sha256_json, write_json_atomic
 
 if TYPE_CHECKING:
-    from pipeline.config import RunConfig
+    from pipeline.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +153,10 @@ def verify(path: Path, *, contents: bool = True) -> str | None:
     and missing); no symbolic links; every file has its listed size and checksum. The checksum
     guards against torn, truncated and corrupted files, not against someone who can also
     rewrite the manifest: what is read from a verified checkpoint is still only ever unpickled
-    through allow-lists (``pipeline.checkpoint_tensors``).
+    through allow-lists (``pipeline.checkpoint.tensors``).
 
     ``contents=False``: the structure only (no file read but the manifest); a resume leaves the
-    checksums to the ranks that read the files (:mod:`pipeline.checkpoint_read`)."""
+    checksums to the ranks that read the files (:mod:`pipeline.checkpoint.read`)."""
     if path.is_symlink():
         return f"{path.name} is a symbolic link (a checkpoint is a plain folder)"
     manifest = path / MANIFEST
@@ -256,7 +256,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     old = [path for _, path in checkpoint_steps(root)[:-keep_last]] if keep_last > 0 else []
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
-        # DeepSpeed's universal conversion of it (pipeline.checkpoint_universal), if any.
+        # DeepSpeed's universal conversion of it (pipeline.checkpoint.universal), if any.
         shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)
     return old
 

@@ -1,7 +1,7 @@
-"""The trainer's checkpoint policy over the folders of :mod:`pipeline.checkpoint`: which one to
+"""The trainer's checkpoint policy over the folders of :mod:`pipeline.checkpoint.format`: which one to
 resume from, how a save runs across ranks (synchronously, or staged and written in the
-background: :mod:`pipeline.checkpoint_async`), what a load restores after every rank verified
-what it reads (:mod:`pipeline.checkpoint_read`). Collective methods import torch when called."""
+background: :mod:`pipeline.checkpoint.async_save`), what a load restores after every rank verified
+what it reads (:mod:`pipeline.checkpoint.read`). Collective methods import torch when called."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.artifacts import CHECKPOINTS, CKPT_TRAINER
-from pipeline.checkpoint import (
+from pipeline.checkpoint.format import (
     MANIFEST,
     TrainerState,
     clean_tmp,
@@ -29,7 +29,7 @@ from pipeline.errors import PipelineError
 from pipeline.io import read_json, write_json_atomic
 
 if TYPE_CHECKING:
-    from pipeline.config import RunConfig
+    from pipeline.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class CheckpointManager:
                  backend: str, zero_stage: int | None, rank: int, world_size: int,
                  background: bool = False) -> None:
         self.root = root
-        self.background = background  # train.checkpoint_async: pipeline.checkpoint_async
+        self.background = background  # train.checkpoint_async: pipeline.checkpoint.async_save
         self.inflight: Any = None  # the save whose files or manifest are still being written
         self._pg: Any = None  # the gloo group of background commits (made at the first one)
         self.config_hash = config_hash
@@ -64,7 +64,7 @@ class CheckpointManager:
         turned out damaged)."""
         self.read_into_engine = 0
         """How many of the engine's tensors that load read straight into (its ``reuse``
-        targets, :mod:`pipeline.checkpoint_reuse`), not into fresh memory."""
+        targets, :mod:`pipeline.checkpoint.reuse`), not into fresh memory."""
 
     @classmethod
     def for_run(cls, run_dir: Path, run: RunConfig, *, data_hash: str, rank: int,
@@ -79,14 +79,14 @@ class CheckpointManager:
         """Collective: the checkpoint every rank resumes from. Rank 0 removes half-written
         folders, chooses with :func:`resume_point` (structure, config and data only) and
         broadcasts its choice; every rank then verifies its share and the ranks agree
-        (:func:`pipeline.checkpoint_read.verify_collective`) before any engine reads anything
+        (:func:`pipeline.checkpoint.read.verify_collective`) before any engine reads anything
         (the large files a rank reads itself and that have block checksums are verified block
         by block as they are read, :meth:`load`). A checkpoint that fails is skipped for the
         next older one, with a warning. The verified bytes wait for :meth:`load`.
 
         ``reuse`` (the engine's ``load_targets``): the engine's tensors, by their place in what
         it will load, that the load may be read into instead of fresh memory
-        (:mod:`pipeline.checkpoint_reuse`), and the optimizer state a requeued job's engine
+        (:mod:`pipeline.checkpoint.reuse`), and the optimizer state a requeued job's engine
         makes for the load from the resume's start on."""
         if self.rank == 0:
             clean_tmp(self.root)
@@ -98,7 +98,7 @@ class CheckpointManager:
         """Collective: :meth:`resume`'s choice among the checkpoints not in ``_skipped``."""
         import torch.distributed as dist
 
-        from pipeline.checkpoint_read import verify_collective
+        from pipeline.checkpoint.read import verify_collective
 
         self._verified = None
         skip = self._skipped
@@ -125,7 +125,7 @@ class CheckpointManager:
         ``path``, a folder that :meth:`resume` chose; returns the trainer's state saved with
         it (``loaded`` is the folder it came from). The engine reads only verified bytes: the
         small files this rank verified from memory (``extra["verified"]``), the large ones
-        block by block as it reads them (:mod:`pipeline.checkpoint_read`). The engines
+        block by block as it reads them (:mod:`pipeline.checkpoint.read`). The engines
         unpickle nothing but through allow-lists.
 
         A block found damaged while the engine reads (DCP fails on every rank together) means
@@ -133,7 +133,7 @@ class CheckpointManager:
         over it, with a warning (every tensor the engine loads is in each checkpoint of the
         run). With none left, a :class:`~pipeline.errors.PipelineError` says what to do: a
         fresh start would need a fresh engine."""
-        from pipeline.checkpoint_stream import CheckpointDamaged
+        from pipeline.checkpoint.stream import CheckpointDamaged
 
         while True:
             try:
@@ -185,7 +185,7 @@ class CheckpointManager:
         rank gets the folder, or the same error."""
         import torch.distributed as dist
 
-        from pipeline.checkpoint_universal import ensure_universal, universal_dir
+        from pipeline.checkpoint.universal import ensure_universal, universal_dir
 
         box: list[Any] = [None]
         if self.rank == 0:
@@ -207,7 +207,7 @@ class CheckpointManager:
 
         In the background (``train.checkpoint_async`` and an engine with ``save_async``): the
         previous save is waited for first, then only the staging blocks; the files and the
-        commit follow in :mod:`pipeline.checkpoint_async` (:meth:`wait` for them). The folder
+        commit follow in :mod:`pipeline.checkpoint.async_save` (:meth:`wait` for them). The folder
         returned is where the checkpoint will be once committed."""
         import torch.distributed as dist
 
@@ -236,7 +236,7 @@ class CheckpointManager:
     def _save_in_background(self, engine: Any, state: TrainerState) -> Path:
         import torch.distributed as dist
 
-        from pipeline.checkpoint_async import InFlight, commit_in_background
+        from pipeline.checkpoint.async_save import InFlight, commit_in_background
 
         self.wait()  # at most one save in flight: its staging buffers are reused
         if self._pg is None:  # collective: every rank's first save, in the same order

@@ -1,7 +1,7 @@
 """Resume-time reading of a checkpoint: every byte an engine reads is verified first, and the
-disk is read once (issue 14).
+disk is read once.
 
-1. rank 0 checks the folder's structure (:func:`pipeline.checkpoint.verify` with
+1. rank 0 checks the folder's structure (:func:`pipeline.checkpoint.format.verify` with
    ``contents=False``: manifest, sizes, no links, nothing unlisted) and the config/data hashes,
    and broadcasts its choice;
 2. every rank verifies its share (:func:`assign`): the files it will load (:func:`claims`: its
@@ -13,7 +13,7 @@ disk is read once (issue 14).
    engine's read checks each block before it is served, except DeepSpeed's optimizer
    partition, deserialized now through that check (:func:`_preload_ds`), as are DeepSpeed's
    model states where two ranks share them (:func:`split_states`). Other large files are hashed
-   whole with ``O_DIRECT`` (:func:`~pipeline.checkpoint_stream.digest_file_windowed`);
+   whole with ``O_DIRECT`` (:func:`~pipeline.checkpoint.stream.digest_file_windowed`);
 3. ``all_gather_object`` of every rank's verdict (:func:`verify_collective`): all ranks learn
    the same first failure before any engine deserializes anything (the manager then falls back
    to the next older checkpoint; a DeepSpeed file whose bytes verify but whose pickle names
@@ -22,15 +22,15 @@ disk is read once (issue 14).
 4. the engine reads through :class:`VerifiedFiles` (:meth:`~VerifiedFiles.dcp_filesystem` for
    DCP's reader, :meth:`~VerifiedFiles.ds_loader` for DeepSpeed's checkpoint engine): small
    files from memory, DeepSpeed's partition as already loaded, large files through a
-   :class:`~pipeline.checkpoint_stream.WindowStream` (block-checked; without block checksums,
+   :class:`~pipeline.checkpoint.stream.WindowStream` (block-checked; without block checksums,
    hashed again and compared at the end), DeepSpeed's model-states file as already loaded
    (:func:`split_states`) or memory-mapped by ``torch.load`` (``weights_only`` with the
    allow-listed globals, verified in step 2). A damaged block found in step 4 fails DCP's
    load on every rank; the manager loads the next older checkpoint over it
-   (:meth:`pipeline.checkpoint_manager.CheckpointManager.load`).
+   (:meth:`pipeline.checkpoint.manager.CheckpointManager.load`).
 
 Which rank reads which file is decided from the file names alone
-(:mod:`pipeline.checkpoint_claims`).
+(:mod:`pipeline.checkpoint.claims`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint_claims import (
+from pipeline.checkpoint.claims import (
     DS_MODEL,
     DS_ZERO,
     KEEP_BYTES,
@@ -54,7 +54,8 @@ from pipeline.checkpoint_claims import (
     claims,
     is_partition,
 )
-from pipeline.checkpoint_stream import (
+from pipeline.checkpoint.fastio import DIGEST
+from pipeline.checkpoint.stream import (
     MAX_BLOCK_BYTES,
     CheckpointDamaged,
     SeekableReader,
@@ -64,14 +65,13 @@ from pipeline.checkpoint_stream import (
     open_read,
 )
 from pipeline.errors import PipelineError
-from pipeline.fastio import DIGEST
 
 #: Whether a resume reads the large files through the page cache (the checksum pass fills it,
 #: the engine's read finds the pages there: one read from the disk) or with O_DIRECT (two).
 #: Measured in one run on the development VM (python -m bench.checkpoint, A/B twice, the first
 #: load of a fresh process as a requeued job does): fsdp 2.03-2.25 s with O_DIRECT against
 #: 2.83-3.05 s through the page cache, deepspeed 4.75-5.25 s against 5.40-5.98 s (filling the
-#: page cache touches fresh guest memory there, see pipeline.checkpoint_stream); a second load
+#: page cache touches fresh guest memory there, see pipeline.checkpoint.stream); a second load
 #: in the same process favoured the page cache (1.55-1.73 s against 2.10-2.19 s). O_DIRECT, as
 #: measured; on a machine where the page cache fills at disk speed the other way reads less.
 THROUGH_PAGE_CACHE = False
@@ -117,16 +117,16 @@ class VerifiedFiles:
     data: dict[str, memoryview] = field(default_factory=dict)
     digests: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     """(bytes, xxh3-128 or None) of every file of the checkpoint: a large file is read through a
-    re-hashing :class:`~pipeline.checkpoint_stream.WindowStream`."""
+    re-hashing :class:`~pipeline.checkpoint.stream.WindowStream`."""
     blocks: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
     """The block checksums of the files that list them: such a file is read through a
-    :class:`~pipeline.checkpoint_stream.WindowStream` that checks each block before serving it
+    :class:`~pipeline.checkpoint.stream.WindowStream` that checks each block before serving it
     (those this rank reads were not hashed beforehand, :func:`verify_local`)."""
     loaded: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed optimizer partitions already deserialized while they were verified (one read of
     the disk; :func:`verify_local`), for the engine's load to take."""
     targets: Any = None
-    """The engine's :class:`~pipeline.checkpoint_reuse.LoadTargets` that this rank's partition
+    """The engine's :class:`~pipeline.checkpoint.reuse.LoadTargets` that this rank's partition
     is deserialized into (or None: fresh memory)."""
     handed: bool = False
     """Whether the engine's load took a partition read into ``targets`` (then :meth:`release`
@@ -186,7 +186,7 @@ class VerifiedFiles:
 
     def ds_loader(self) -> Callable[..., Any]:
         """DeepSpeed's checkpoint-engine ``load``: ``weights_only=True`` with the file's own
-        globals, all within :data:`~pipeline.checkpoint_tensors.DS_GLOBALS`. A kept (small) file
+        globals, all within :data:`~pipeline.checkpoint.tensors.DS_GLOBALS`. A kept (small) file
         from memory. A large model-states file memory-mapped by ``torch.load``: DeepSpeed loads
         it twice and copies its tensors into the module, so mapping the page cache saves a
         private copy (and a second disk read). A large optimizer partition through
@@ -213,7 +213,7 @@ class VerifiedFiles:
                         and str(map_location or "cpu") == "cpu"):
                     # A partition read now (small, or without block checksums): into the
                     # engine's tensors too.
-                    from pipeline.checkpoint_reuse import load_reusing
+                    from pipeline.checkpoint.reuse import load_reusing
 
                     got = load_reusing(f, self.digests[rel][0], str(path), classes,
                                        self.targets)
@@ -243,7 +243,7 @@ def ds_globals_refused(f: Any, name: Path) -> str | None:
     allow-list or a garbled file), or None."""
     import torch
 
-    from pipeline.checkpoint_tensors import DS_GLOBALS
+    from pipeline.checkpoint.tensors import DS_GLOBALS
 
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(f)
@@ -258,7 +258,7 @@ def ds_globals_refused(f: Any, name: Path) -> str | None:
 def ds_classes(f: Any, name: Path) -> list[Any]:
     """The classes the DeepSpeed ``*.pt`` file open as ``f`` pickles, imported; a
     :class:`~pipeline.errors.PipelineError` unless all are in
-    :data:`~pipeline.checkpoint_tensors.DS_GLOBALS`."""
+    :data:`~pipeline.checkpoint.tensors.DS_GLOBALS`."""
     import importlib
 
     import torch
@@ -335,7 +335,7 @@ def _preload_ds(path: Path, rel: str, out: VerifiedFiles) -> tuple[str | None, b
     ``out.loaded`` (``out.states``): (failure or None, refused), as :func:`_check`: with every
     byte read verified, a file that still does not load or names globals beyond the allow-list
     was written so (refused)."""
-    from pipeline.checkpoint_reuse import load_reusing
+    from pipeline.checkpoint.reuse import load_reusing
 
     why, refused = None, True  # a failure with every byte read verified: refused
     try:
@@ -435,8 +435,8 @@ def read_once(rel: str, info: dict[str, Any], readers: list[int], rank: int) -> 
 
 def usable_blocks(info: dict[str, Any]) -> tuple[int, list[str]] | None:
     """The entry's block checksums if the reader's windows can check them (blocks of at most
-    :data:`~pipeline.checkpoint_stream.MAX_BLOCK_BYTES`), else None."""
-    from pipeline.checkpoint import block_digests
+    :data:`~pipeline.checkpoint.stream.MAX_BLOCK_BYTES`), else None."""
+    from pipeline.checkpoint.format import block_digests
 
     found = block_digests(info)
     return found if found is not None and found[0] <= MAX_BLOCK_BYTES else None
@@ -485,7 +485,7 @@ def verify_collective(path: Path, rank: int, world: int,
     """Collective: every rank verifies its share of ``path`` (:func:`assign`), then all ranks
     exchange their verdicts; every rank returns the same first failure (with the rank that
     found it), or None with the bytes it kept. ``path`` passed rank 0's structural check.
-    ``reuse``: makes the engine's :class:`~pipeline.checkpoint_reuse.LoadTargets` (same world
+    ``reuse``: makes the engine's :class:`~pipeline.checkpoint.reuse.LoadTargets` (same world
     size only): the tensors its DeepSpeed partition may be deserialized into, the moments made.
 
     A refusal (:func:`verify_local`) is raised on every rank as the same
@@ -493,7 +493,7 @@ def verify_collective(path: Path, rank: int, world: int,
     engine's allow-list always did, instead of being skipped like a damaged one."""
     import torch.distributed as dist
 
-    from pipeline.checkpoint import MANIFEST, _manifest_entries
+    from pipeline.checkpoint.format import MANIFEST, _manifest_entries
     from pipeline.io import read_json
 
     cache = VerifiedFiles(path)

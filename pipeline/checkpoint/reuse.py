@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint_dcp import (
+from pipeline.checkpoint.dcp import (
     Slice,
     memory_of,
     readinto_exact,
@@ -129,8 +129,8 @@ class _Loader:
     def prefault(self, order: list[str]) -> None:
         """Fault in the pages of the storages of ``order`` (keys, in the order they are read)
         that are new memory (not bound to an engine tensor), ahead of the reads that fill them
-        (:func:`pipeline.checkpoint_stream.prefault`)."""
-        from pipeline.checkpoint_stream import prefault
+        (:func:`pipeline.checkpoint.stream.prefault`)."""
+        from pipeline.checkpoint.stream import prefault
 
         prefault([self.storages[k]._untyped_storage for k in order if k not in self.into])
 
@@ -200,7 +200,7 @@ def _same_view(loaded: Any, mine: torch.Tensor, on: torch.Tensor) -> bool:
 def _read_storage(f: Any, memory: memoryview, name: str, skip: tuple[int, int] | None) -> None:
     """Fill ``memory`` from ``f`` (at its position), leaving ``skip`` (a byte range of it, or
     None) as it is and not reading it: ``f`` seeks past it (a
-    :class:`~pipeline.checkpoint_stream.WindowStream` then reads only whole blocks it serves
+    :class:`~pipeline.checkpoint.stream.WindowStream` then reads only whole blocks it serves
     from)."""
     if skip is None or skip[0] >= skip[1]:
         readinto_exact(f, memory, name)

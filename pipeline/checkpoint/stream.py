@@ -8,7 +8,7 @@ before them) the file is hashed whole first (no engine reads anything before eve
 matched), then read again through a :class:`WindowStream` that hashes what it serves when it
 reads the file front to back: a file changed between the two reads is an error, not silently
 loaded. Both read with O_DIRECT (``direct=True``) or through the page cache (``direct=False``);
-``pipeline.checkpoint_read.THROUGH_PAGE_CACHE`` chooses, with the measurements. A stream read
+``pipeline.checkpoint.read.THROUGH_PAGE_CACHE`` chooses, with the measurements. A stream read
 front to back has its next window read in the background while the engine uses the current one.
 
 Why reused buffers rather than the file held in fresh memory between the two passes (as the
@@ -36,8 +36,8 @@ from typing import Any
 
 import xxhash
 
+from pipeline.checkpoint.fastio import ALIGN
 from pipeline.errors import PipelineError
-from pipeline.fastio import ALIGN
 
 #: One read request, and the requests in flight at once (queue depth helps virtual and NVMe
 #: disks alike): a window of :data:`WINDOW_BYTES` is read as :data:`QUEUE_DEPTH` requests.
@@ -280,7 +280,7 @@ class WindowStream(SeekableReader):
     :class:`~pipeline.errors.PipelineError`.
 
     With ``blocks`` (the manifest's block size and block checksums,
-    :func:`pipeline.checkpoint.block_digests`) the file was *not* read before: every refill
+    :func:`pipeline.checkpoint.format.block_digests`) the file was *not* read before: every refill
     covers whole blocks and each is checked before any byte of it is served, so the engine only
     ever sees verified bytes, read once from the disk; a block that does not match raises
     :class:`CheckpointDamaged`."""

@@ -1,8 +1,8 @@
 """Reading a checkpoint's model tensors by HF name, one at a time, without the engine.
 
-The checkpoint format's reader side (``pipeline.checkpoint`` writes and verifies the folders):
+The checkpoint format's reader side (``pipeline.checkpoint.format`` writes and verifies the folders):
 consolidate streams weights out through it and tests compare engines' states with it. Callers
-verify the whole checkpoint (``pipeline.checkpoint.verify``) before opening any file of it.
+verify the whole checkpoint (``pipeline.checkpoint.format.verify``) before opening any file of it.
 
 Untrusted bytes are data: a manifest can be rewritten along with the files, so nothing here
 unpickles except through an allow-list. DCP's ``.metadata`` (a plain pickle) goes through a
@@ -14,7 +14,7 @@ engine's own resume: :func:`load_ds_file_for_engine`).
 
 * FSDP2 (DCP): ``dcp.load(..., no_dist=True)`` of one tensor (or a small group) at a time;
   DCP's reader seeks to each chunk of the tensor in the ``.distcp`` files.
-* DeepSpeed (ZeRO 0–3, AutoTP, PipelineModule): :mod:`pipeline.checkpoint_ds`, which opens
+* DeepSpeed (ZeRO 0–3, AutoTP, PipelineModule): :mod:`pipeline.checkpoint.deepspeed`, which opens
   every file through :func:`load_ds_file` here; its ``open_source`` takes either engine's
   checkpoint folder.
 """
@@ -142,7 +142,7 @@ def read_dcp_metadata(dcp_dir: Path, fs: Any = None) -> Any:
 def safe_reader(dcp_dir: Path, fs: Any = None) -> Any:
     """A DCP ``FileSystemReader`` whose ``read_metadata`` goes through the allow-list; ``fs``:
     the DCP ``FileSystem`` it reads through (the verified bytes of a resume,
-    ``pipeline.checkpoint_read``), DCP's own by default."""
+    ``pipeline.checkpoint.read``), DCP's own by default."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -166,17 +166,17 @@ def safe_reader(dcp_dir: Path, fs: Any = None) -> Any:
         def read_data(self, plan: Any, planner: Any) -> Any:
             # Each file's items in the order they lie in it (DCP reads them in the plan's
             # order): a file is then read front to back, through one read-ahead window
-            # (pipeline.checkpoint_stream), instead of a jump per item.
+            # (pipeline.checkpoint.stream), instead of a jump per item.
             where = self.storage_data
             items = sorted(plan.items, key=lambda it: (where[it.storage_index].relative_path,
                                                        where[it.storage_index].offset))
             if any(getattr(where[it.storage_index], "transform_descriptors", None)
                    for it in items):
                 return super().read_data(replace(plan, items=items), planner)
-            # Tensors straight into their destination (pipeline.checkpoint_dcp).
+            # Tensors straight into their destination (pipeline.checkpoint.dcp).
             from torch.futures import Future
 
-            from pipeline.checkpoint_dcp import read_items
+            from pipeline.checkpoint.dcp import read_items
 
             read_items(self, items, planner)
             done: Future[None] = Future()

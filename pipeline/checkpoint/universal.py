@@ -61,7 +61,7 @@ def verify(out: Path) -> bool:
 def ensure_universal(step_dir: Path) -> Path:
     """Rank 0: the verified universal conversion of ``step_dir`` (converted now if missing or
     not verified). Raises :class:`PipelineError` naming the folder when conversion fails."""
-    from pipeline.checkpoint_tensors import check_ds_files
+    from pipeline.checkpoint.tensors import check_ds_files
 
     out = universal_dir(step_dir)
     if out.is_dir():
@@ -74,7 +74,7 @@ def ensure_universal(step_dir: Path) -> Path:
         shutil.rmtree(tmp)  # a conversion of ours that was killed half way
     tmp.mkdir()
     res = subprocess.run(
-        [sys.executable, "-m", "pipeline.checkpoint_universal", str(step_dir / "ds"),
+        [sys.executable, "-m", "pipeline.checkpoint.universal", str(step_dir / "ds"),
          str(tmp / TAG)],
         capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR":
                                              os.environ.get("DS_ACCELERATOR", "cpu")})
@@ -100,7 +100,7 @@ def safe_torch_load() -> Iterator[None]:
 
     import torch
 
-    from pipeline.checkpoint_tensors import DS_GLOBALS, _unsafe_globals
+    from pipeline.checkpoint.tensors import DS_GLOBALS, _unsafe_globals
 
     original = torch.load
     allowed = DS_GLOBALS + _CONVERTER_GLOBALS

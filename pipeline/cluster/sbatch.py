@@ -21,8 +21,8 @@ from typing import Any
 
 from submitit.slurm.slurm import _make_sbatch_string
 
+from pipeline.cluster.options import LaunchOptions
 from pipeline.errors import PipelineError
-from pipeline.launchopts import LaunchOptions
 
 SBATCH_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 #: What ``job.json`` and ``launch.json`` show in place of the submission file's path (submitit

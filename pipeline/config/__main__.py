@@ -1,8 +1,8 @@
 """``python -m pipeline.config {check,schema}``: check config files exactly as a workflow start
 does (merge, typed parse, source expansion, every run's pre-flight), or print the JSON schema.
 
-A module of its own, above the loaders (:mod:`pipeline.config_files`) and the pre-flight
-(:mod:`pipeline.preflight_cache` → :mod:`pipeline.render`): the config types stay at the bottom
+A module of its own, above the loaders (:mod:`pipeline.config.files`) and the pre-flight
+(:mod:`pipeline.plan.preflight_cache` → :mod:`pipeline.plan.run`): the config types stay at the bottom
 of the import graph.
 """
 
@@ -13,10 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.config import json_schema
-from pipeline.config_files import DEFAULT_CONFIG, config_files, parse_config, workflow_config_raw
+from pipeline.config.files import DEFAULT_CONFIG, config_files, parse_config, workflow_config_raw
+from pipeline.config.schema import json_schema
 from pipeline.errors import PipelineError
-from pipeline.preflight_cache import startup_checks
+from pipeline.plan.preflight_cache import startup_checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,3 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in cfg.run_names():
         print(json.dumps(cfg.run(name).model_dump(mode="json"), indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Config files: read strictly, merged as a workflow start merges them, and checked; the
 ``python -m pipeline.config`` command; command-line options that mirror config fields. The typed
-classes are :mod:`pipeline.config` (which re-exports these names).
+classes are :mod:`pipeline.config.schema` (which re-exports these names).
 
 Config files combine as a workflow start reads them (:func:`workflow_config_raw`, used by the
 Snakefile and by ``python -m pipeline.config check``): ``config/config.yaml`` from the working
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import yaml
 
-from pipeline.config import _SECTION, Config, RunConfig, SourceConfig, _validate
+from pipeline.config.schema import _SECTION, Config, RunConfig, SourceConfig, _validate
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
-from pipeline.sources import expand_paths
+from pipeline.text.sources import expand_paths
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -271,7 +271,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 def expand_sources(sources: list[SourceConfig]) -> list[Path]:
     """All input files of ``data.sources``, expanded exactly as the tokenizer and tokenize
-    stages expand them (:func:`pipeline.sources.expand_paths`); a source that matches nothing is
+    stages expand them (:func:`pipeline.text.sources.expand_paths`); a source that matches nothing is
     an error."""
     out: list[Path] = []
     for i, src in enumerate(sources):

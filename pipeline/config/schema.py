@@ -5,8 +5,8 @@ table. Each run is the shared part with that run's overrides deep-merged on top,
 describes a batch of experiments that share one tokenized dataset.
 
 Config files are read, merged (a later file's ``runs:`` replaces the earlier runs as a whole)
-and checked by :mod:`pipeline.config_files` (which imports this module, never the other way);
-``python -m pipeline.config check|schema`` is :mod:`pipeline.config_cli`.
+and checked by :mod:`pipeline.config.files` (which imports this module, never the other way);
+``python -m pipeline.config check|schema`` is :mod:`pipeline.config.__main__`.
 
 The JSON schema (``config/schema.json``, for editors and docs) is generated from these classes
 (``python -m pipeline.config schema``); ``tests/test_config.py`` fails when it is stale.
@@ -14,7 +14,6 @@ The JSON schema (``config/schema.json``, for editors and docs) is generated from
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from pydantic import (
@@ -25,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.config_types import (  # re-exported: the config's value sets and limits
+from pipeline.config.types import (  # re-exported: the config's value sets and limits
     MAX_GPUS_PER_NODE,
     MAX_NODES,
     MAX_SEQ_LEN,
@@ -49,7 +48,7 @@ from pipeline.config_types import (  # re-exported: the config's value sets and 
     _Strict,
     check_model_parallel,
 )
-from pipeline.config_types import format_errors as _format_errors
+from pipeline.config.types import format_errors as _format_errors
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 
@@ -172,7 +171,7 @@ class ModelConfig(_Strict):
     def _apply_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not data.get("preset"):
             return data
-        from pipeline.presets import PRESETS
+        from pipeline.config.presets import PRESETS
 
         name = data["preset"]
         if name not in PRESETS:
@@ -557,11 +556,3 @@ def json_schema() -> dict[str, Any]:
     schema = Config.model_json_schema()
     schema["$schema"] = "http://json-schema.org/draft-07/schema#"
     return schema
-
-
-if __name__ == "__main__":
-    # The command lives above the loaders and the pre-flight (pipeline.config_cli); this block
-    # runs only as `python -m pipeline.config`, never on import.
-    from pipeline.config_cli import main
-
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """The config's building blocks: value sets (one ``Literal`` per choice), limits, and the strict
-base class every config section derives from. :mod:`pipeline.config` re-exports all of it;
+base class every config section derives from. :mod:`pipeline.config.schema` re-exports all of it;
 import from there."""
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import artifacts as af
+from pipeline.data.mixture import DEFAULT_SOURCE, MIX_CHUNK, Mixture
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
-from pipeline.mixture import DEFAULT_SOURCE, MIX_CHUNK, Mixture
 
 STATE_VERSION = 1
 #: Micro steps the loader plans at once (indices and row addresses; see BatchLoader.next_batch).
@@ -46,7 +46,7 @@ class _Shard:
         if not path.is_file():
             raise PipelineError(f"shard {path} is missing: rerun the tokenize stage")
         st = path.stat()
-        #: (device, inode, size) of the file verified below: pipeline.joinmap maps only it.
+        #: (device, inode, size) of the file verified below: pipeline.data.joinmap maps only it.
         self.identity = (st.st_dev, st.st_ino, st.st_size)
         size = st.st_size
         if size != entry["bytes"]:
@@ -208,12 +208,12 @@ class PackedDataset:
 
     def row_windows(self) -> tuple[np.ndarray, np.ndarray] | None:
         """``(windows, offsets)``: every shard of the split in one mapping
-        (:mod:`pipeline.joinmap`), row ``i`` being ``windows[offsets[i]]``, so that a batch is
+        (:mod:`pipeline.data.joinmap`), row ``i`` being ``windows[offsets[i]]``, so that a batch is
         one gather (``windows[offsets[idx]]``); None where the shards cannot be joined (then
         :meth:`gather_at` copies row by row). Opens (verifies) every shard the first time."""
         if self._windows is not False:
             return self._windows  # type: ignore[return-value]
-        from pipeline.joinmap import JoinedMap
+        from pipeline.data.joinmap import JoinedMap
 
         self._windows = None
         self.open_all()

@@ -1,7 +1,7 @@
-"""Data mixtures (issue 13): which source each entry of the training stream comes from.
+"""Data mixtures: which source each entry of the training stream comes from.
 
 Pure arithmetic over the sources' row ranges (no shards opened, no torch): the loader
-(:mod:`pipeline.data`) draws by it; render states it in ``plan.md`` (:func:`mixture_plan_line`);
+(:mod:`pipeline.data.loader`) draws by it; render states it in ``plan.md`` (:func:`mixture_plan_line`);
 reports show target and consumed shares (:func:`mixture_shares`).
 """
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ModelConfig
+from pipeline.config.schema import ModelConfig
 from pipeline.errors import PipelineError
 
 
@@ -193,7 +193,7 @@ def device_peak_flops(device: torch.device, precision: str = "bf16") -> tuple[fl
     peak = peak_flops_of(name, dtype)
     if peak is None:
         return None, (f"no MFU: no dense {dtype} peak FLOP/s for {name!r} in "
-                      "pipeline.model.PEAK_FLOPS (add its datasheet figure)")
+                      "pipeline.model.build.PEAK_FLOPS (add its datasheet figure)")
     return peak, f"{name}, dense {dtype}: {peak / 1e12:g} TFLOP/s"
 
 

@@ -11,7 +11,7 @@ torch is imported only for TensorBoard, when it is chosen.
 URI, W&B's run id, project and folder): a requeued or resumed attempt continues that run
 (MLflow: logs to the same run id; W&B: ``resume="allow"`` with the same id). A run whose config
 changed starts over from step 0 (its old checkpoints are moved aside), so it gets new tracker
-runs: the file records the checkpoint's config hash (``pipeline.checkpoint.config_hash``).
+runs: the file records the checkpoint's config hash (``pipeline.checkpoint.format.config_hash``).
 
 **Every step once.** A resumed attempt repeats the steps after its checkpoint. MLflow would keep
 both values of a repeated step (its history is append-only), TensorBoard draws both, and W&B

@@ -10,6 +10,7 @@ Typical use from the render stage::
     ds = render_ds_config(p, lr=3e-4, total_steps=1000)
 """
 
+from pipeline.config.presets import PRESETS, ModelShape, resolve_model
 from pipeline.errors import PipelineError
 from pipeline.plan.deepspeed_config import SEED_KEY_MAPPING, render_ds_config
 from pipeline.plan.fsdp_config import render_fsdp_config
@@ -19,7 +20,6 @@ from pipeline.plan.report import render_plan_md
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, Rung, plan
 from pipeline.plan.topology import ParallelDims, params_per_rank, render_topology, stage_layers
-from pipeline.presets import PRESETS, ModelShape, resolve_model
 
 __all__ = [
     "GB",

@@ -7,20 +7,20 @@ import contextlib
 import json
 import sys
 
-from pipeline.config import ClusterConfig, DataConfig, PlanConfig, TrainConfig
-from pipeline.config_files import field_default, field_help, mirror_argument
+from pipeline.config.files import field_default, field_help, mirror_argument
+from pipeline.config.presets import PRESETS, ModelShape, resolve_model
+from pipeline.config.schema import ClusterConfig, DataConfig, PlanConfig, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.plan.preflight import check
 from pipeline.plan.report import render_plan_md
 from pipeline.plan.spec import ENGINES, FSDP_SHARDINGS, BatchSpec, Cluster, Strategy
-from pipeline.presets import PRESETS, ModelShape, resolve_model
 
 _AUTO = "default: auto (the planner chooses)"
 
 
 def _parser() -> argparse.ArgumentParser:
     """Options that mirror a config key take its default and its description from
-    ``pipeline.config``; strategy options left out are chosen by the planner."""
+    ``pipeline.config.schema``; strategy options left out are chosen by the planner."""
     p = argparse.ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json")

@@ -42,11 +42,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, get_args
 
-from pipeline.config import Accounting
+from pipeline.config.presets import ModelShape
+from pipeline.config.schema import Accounting
 from pipeline.errors import PipelineError
 from pipeline.plan.spec import BatchSpec, Strategy
 from pipeline.plan.topology import ParallelDims, layer_params_per_tp_rank, params_per_rank
-from pipeline.presets import ModelShape
 
 ACCOUNTINGS: tuple[str, ...] = get_args(Accounting)
 

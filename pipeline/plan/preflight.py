@@ -8,6 +8,7 @@ import copy
 from typing import Any
 from unittest import mock
 
+from pipeline.config.presets import ModelShape
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.plan.deepspeed_config import PIPELINE_ENGINE_KEYS, SEED_KEY_MAPPING, render_ds_config
@@ -15,7 +16,6 @@ from pipeline.plan.memory import Accounting
 from pipeline.plan.spec import GB, KEYS, BatchSpec, Cluster, Strategy
 from pipeline.plan.strategy import Plan, plan
 from pipeline.plan.topology import batch_problems
-from pipeline.presets import ModelShape
 
 
 class _ReadTracker(dict):

@@ -1,7 +1,7 @@
 """The workflow's start-up pre-flight, with its verdict cached.
 
 The Snakefile checks every run before any job is queued (batch arithmetic, divisibility, the
-memory plan, DeepSpeed keys: ``pipeline.render.render_run``). That costs the planner and, for a
+memory plan, DeepSpeed keys: ``pipeline.plan.run.render_run``). That costs the planner and, for a
 DeepSpeed run, an import of DeepSpeed and torch (~2 s). A run that passed once passes again as
 long as nothing that decides the verdict changed, so a pass is recorded under
 ``.snakemake/zerosnake/preflight/`` keyed by the sha256 of:
@@ -95,7 +95,7 @@ def cache_enabled() -> bool:
 
 def preflight_runs(cfg: Any, *, names: Iterable[str] | None = None,
                    cache_dir: Path | None = CACHE_DIR) -> dict[str, str]:
-    """Pre-flight every run of ``cfg`` (a ``pipeline.config.Config``) not already passed.
+    """Pre-flight every run of ``cfg`` (a ``pipeline.config.schema.Config``) not already passed.
 
     Returns run name → ``"cached"`` or ``"checked"``. Raises ``PipelineError`` (from
     ``render_run``) for the first run that fails; failures are not recorded.
@@ -115,7 +115,7 @@ def preflight_runs(cfg: Any, *, names: Iterable[str] | None = None,
                 verdicts[name] = "cached"
                 continue
         from pipeline.errors import PipelineError
-        from pipeline.render import render_run  # the planner (and DeepSpeed) only on a miss
+        from pipeline.plan.run import render_run  # the planner (and DeepSpeed) only on a miss
 
         try:
             render_run(run, vocab_size=vocab_size)
@@ -133,7 +133,7 @@ def startup_checks(cfg: Any, *, preflight: bool = True,
     Snakefile (``workflow/rules/common.smk``) and ``python -m pipeline.config check``: the
     expansion of ``data.sources`` (a source matching no file is an error) and, with
     ``preflight``, every run's pre-flight (:func:`preflight_runs`). Returns the source files."""
-    from pipeline.config_files import expand_sources
+    from pipeline.config.files import expand_sources
 
     files = expand_sources(cfg.data.sources)
     if preflight:

@@ -1,4 +1,4 @@
-"""Human-readable ``plan.md`` (pure text). The sbatch submission is ``pipeline.sbatch``'s."""
+"""Human-readable ``plan.md`` (pure text). The sbatch submission is ``pipeline.cluster.sbatch``'s."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def render_plan_md(plan: Plan, data_line: str | None = None) -> str:
     """The plan as Markdown: inputs, chosen strategy, per-GPU breakdown, rejected rungs, notes.
 
     ``data_line``: a bullet on the training data placed after the training line (render's
-    mixture line, :func:`pipeline.mixture.mixture_plan_line`; the planner alone has none)."""
+    mixture line, :func:`pipeline.data.mixture.mixture_plan_line`; the planner alone has none)."""
     m, d, c, b = plan.model, plan.dims, plan.cluster, plan.batch
     # "model states" = params + grads + optimizer, the ZeRO paper's Table 1 figure.
     head = ("| strategy | params | grads | optimizer | model states | activations | buffers | "

@@ -3,7 +3,7 @@
 Every field names the config key it comes from (:data:`KEYS`), so that an error found here can
 tell the user exactly what to change in ``config.yaml``. The value sets (precision, engine, FSDP
 sharding) and the defaults of the fields that mirror a config key are those of
-:mod:`pipeline.config`, defined there once; ``pipeline.render.planner_inputs`` maps a run's
+:mod:`pipeline.config.schema`, defined there once; ``pipeline.plan.run.planner_inputs`` maps a run's
 config onto these types.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from pipeline.config import Backend, ClusterConfig, FsdpSharding, PipelineSchedule, Precision
-from pipeline.config_files import field_default
+from pipeline.config.files import field_default
+from pipeline.config.schema import Backend, ClusterConfig, FsdpSharding, PipelineSchedule, Precision
 from pipeline.errors import PipelineError
 
-#: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config.py``).
+#: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config/schema.py``).
 KEYS: dict[str, str] = {
     "nodes": "cluster.nodes",
     "gpus_per_node": "cluster.gpus_per_node",
@@ -231,7 +231,7 @@ class Strategy:
     def unsupported(self) -> str | None:
         """Why the engine cannot train this resolved strategy (``None``: it can).
 
-        The rules of ``pipeline.config.TrainConfig._check_model_parallel``, the engines' own:
+        The rules of ``pipeline.config.schema.TrainConfig._check_model_parallel``, the engines' own:
         fsdp runs TP × PP × DP (DTensor, ``torch.distributed.pipelining``, FSDP2/HSDP);
         DeepSpeed runs AutoTP (TP with ZeRO 0-2) or its ``PipelineModule`` (PP with ZeRO 0-1),
         never both, and neither with offload; ddp is data parallel only.

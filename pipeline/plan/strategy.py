@@ -1,6 +1,6 @@
 """The ``auto`` ladder: the least-communication configuration that fits, with every rejection.
 
-Ladder (issue 4; ZeRO paper §5, ZeRO-Offload, Megatron-LM): plain data parallel → ZeRO-1 →
+Ladder (ZeRO paper §5, ZeRO-Offload, Megatron-LM): plain data parallel → ZeRO-1 →
 ZeRO-2 / FSDP SHARD_GRAD_OP → ZeRO-3 / FULL_SHARD → + optimizer offload → + parameter offload
 → tensor parallelism inside a node → pipeline parallelism across nodes. Each step trades more
 communication (or PCIe traffic, or pipeline bubbles) for memory, so the first rung that fits is
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 from itertools import groupby
 from typing import Any
 
+from pipeline.config.presets import ModelShape
 from pipeline.errors import PipelineError
 from pipeline.plan.memory import ACCOUNTINGS, Accounting, MemoryBreakdown, estimate_memory
 from pipeline.plan.spec import GB, BatchSpec, Cluster, Strategy
 from pipeline.plan.topology import ParallelDims, resolve_grad_accum
-from pipeline.presets import ModelShape
 
 
 @dataclass(kw_only=True, frozen=True)

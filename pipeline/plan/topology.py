@@ -15,7 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.plan.spec import KEYS
 
 if TYPE_CHECKING:
-    from pipeline.presets import ModelShape
+    from pipeline.config.presets import ModelShape
 
 
 @dataclass(kw_only=True, frozen=True)

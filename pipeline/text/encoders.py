@@ -3,7 +3,7 @@
 The encoder is the measured bottleneck of the tokenize stage, so for byte-level BPE
 vocabularies whose ids follow merge order we build a ``tiktoken.Encoding`` from the same
 vocabulary (byte-level unicode strings mapped back to bytes, ids as ranks). That is exact for
-such vocabularies; :func:`pipeline.tokenizer.make_encoder` still verifies token identity against
+such vocabularies; :func:`pipeline.text.tokenizer.make_encoder` still verifies token identity against
 the HF tokenizer on a sample when the encoder is built (and the tokenize stage re-verifies on the
 first batch of real data) and falls back to HF ``encode_batch`` with a warning when anything
 differs.

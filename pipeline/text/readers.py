@@ -14,7 +14,7 @@ Documents and their normalisation (what a round trip gives back):
   the folder; its ``state.json`` lists the files).
 * ``.gz`` / ``.zst`` variants of each are decompressed on the fly.
 
-Which part of which file a shard reads, and big documents, are :mod:`pipeline.sources`.
+Which part of which file a shard reads, and big documents, are :mod:`pipeline.text.sources`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, get_args
 
-# sources.BIG_DOC_BYTES is read at call time (tests shrink it to exercise big documents).
-from pipeline import sources
-from pipeline.config import OnInvalid, SourceConfig
-from pipeline.config_files import mirror_argument
+from pipeline.config.files import mirror_argument
+from pipeline.config.schema import OnInvalid, SourceConfig
 from pipeline.errors import PipelineError
-from pipeline.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan, reading
+
+# sources.BIG_DOC_BYTES is read at call time (tests shrink it to exercise big documents).
+from pipeline.text import sources
+from pipeline.text.sources import BigDoc, Source, SourceSpec, Task, open_binary, plan, reading
 
 
 def _line_number(src: Source, offset: int) -> int:
@@ -396,7 +397,7 @@ def iter_texts(
 
 def add_reader_arguments(ap: argparse.ArgumentParser) -> None:
     """--format, --text-field, --doc-split: the reading options of ``data.sources`` (default
-    and help from ``pipeline.config``), for the tokenizer and tokenize commands."""
+    and help from ``pipeline.config.schema``), for the tokenizer and tokenize commands."""
     mirror_argument(ap, "--format", SourceConfig, "format")
     mirror_argument(ap, "--text-field", SourceConfig, "text_field")
     mirror_argument(ap, "--doc-split", SourceConfig, "doc_split")

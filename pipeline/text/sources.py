@@ -1,7 +1,7 @@
 """Input sources: expanding inputs, splitting work among shard jobs, big documents.
 
 What files an input names (:func:`expand_paths`, the one expander: the config check
-``pipeline.config.expand_sources``, the tokenizer and the tokenize stage all use it): a file is
+``pipeline.config.files.expand_sources``, the tokenizer and the tokenize stage all use it): a file is
 taken as it is (a dotfile too); a directory is walked recursively, skipping hidden files and
 hidden directories (a name starting with ``.``, as a glob's ``*`` does); a glob's matching files;
 ``<stdlib>`` at the start means Python's standard library directory, ``~`` the home directory.
@@ -18,7 +18,7 @@ Memory: documents larger than ``BIG_DOC_BYTES`` (whole-file documents, blank-lin
 never held whole: they are validated in one streaming pass and encoded in pieces cut at points
 where the byte-level pre-tokenizer splits anyway (see :meth:`BigDoc.pieces`). A single JSONL line,
 Parquet value or text line is held in memory whole. Reading the documents of each format is
-:mod:`pipeline.readers`.
+:mod:`pipeline.text.readers`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ BIG_DOC_BYTES = 32 << 20  # above this a document is streamed in pieces, never h
 PIECE_CHARS = 4 << 20  # target size of one encoded piece of a big document
 READ_CHUNK = 4 << 20
 
-# The same value sets as pipeline.config's SourceFormat (less "auto") and DocSplit; this
-# module sits below pipeline.config, so tests/test_config.py checks that they agree.
+# The same value sets as pipeline.config.schema's SourceFormat (less "auto") and DocSplit; this
+# module sits below pipeline.config.schema, so tests/test_config.py checks that they agree.
 FORMATS = ("txt", "jsonl", "parquet", "arrow")
 DOC_SPLITS = ("file", "blank-line")
 _EXT_FORMAT = {

@@ -2,18 +2,18 @@
 
 CLI::
 
-    python -m pipeline.tokenizer train --input PATH_OR_GLOB... [--vocab-size N] --out DIR
+    python -m pipeline.tokenize tokenizer train --input PATH_OR_GLOB... [--vocab-size N] --out DIR
         [--format auto|txt|jsonl|parquet] [--text-field F] [--doc-split file|blank-line]
         [--max-bytes N] [--special-token TOK ...] [--bos-token TOK] [--min-frequency N]
-    python -m pipeline.tokenizer import --path DIR_OR_TOKENIZER_JSON --out DIR
-    python -m pipeline.tokenizer fingerprint DIR
+    python -m pipeline.tokenize tokenizer import --path DIR_OR_TOKENIZER_JSON --out DIR
+    python -m pipeline.tokenize tokenizer fingerprint DIR
 
 The trained directory holds ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json`` (written by ``transformers``), so
 ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads it offline.
 
 Encoding (:func:`make_encoder`): the fastest exact encoder for a loaded tokenizer, from
-:mod:`pipeline.encoders` (a tiktoken fast path verified against HF ``encode_batch``, or HF).
+:mod:`pipeline.text.encoders` (a tiktoken fast path verified against HF ``encode_batch``, or HF).
 """
 
 from __future__ import annotations
@@ -30,11 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.artifacts import OUTPUT_MARKER, replacing_dir
-from pipeline.encoders import GPT2_PATTERN as GPT2_PATTERN
-from pipeline.encoders import HFEncoder, TiktokenEncoder, tiktoken_encoding_from_hf, verify_encoder
-from pipeline.encoders import byte_decoder as byte_decoder
-from pipeline.encoders import cpu_count as cpu_count
 from pipeline.errors import PipelineError
+from pipeline.text.encoders import GPT2_PATTERN as GPT2_PATTERN
+from pipeline.text.encoders import (
+    HFEncoder,
+    TiktokenEncoder,
+    tiktoken_encoding_from_hf,
+    verify_encoder,
+)
+from pipeline.text.encoders import byte_decoder as byte_decoder
+from pipeline.text.encoders import cpu_count as cpu_count
 
 EOS_TOKEN = "<|endoftext|>"
 #: What a tokenizer folder written before output markers existed may hold (and be replaced).
@@ -70,7 +75,7 @@ def _tokenizer_json_path(path: str | os.PathLike[str]) -> Path:
             raise PipelineError(
                 f"tokenizer directory {p} has no tokenizer.json: point --tokenizer at an HF "
                 "tokenizer directory saved by a fast tokenizer (save_pretrained), or train one "
-                "with `python -m pipeline.tokenizer train`"
+                "with `python -m pipeline.tokenize tokenizer train`"
             )
         return tj
     if p.is_file():
@@ -79,7 +84,7 @@ def _tokenizer_json_path(path: str | os.PathLike[str]) -> Path:
         raise PipelineError(f"tokenizer {p} is neither a folder nor a regular file: point "
                             "--tokenizer at an HF tokenizer directory or its tokenizer.json")
     raise PipelineError(
-        f"tokenizer {p} does not exist: train one with `python -m pipeline.tokenizer train "
+        f"tokenizer {p} does not exist: train one with `python -m pipeline.tokenize tokenizer train "
         "--input ... --vocab-size N --out DIR` or point --tokenizer at a local HF tokenizer "
         "directory (or its tokenizer.json)"
     )
@@ -168,7 +173,7 @@ def tokenizer_info(path: str | os.PathLike[str], *, bos: bool = False) -> Tokeni
         raise PipelineError(
             f"tokenizer {tj} has no EOS token (no eos_token in tokenizer_config.json and none of "
             f"{', '.join(_EOS_CANDIDATES)} in the vocabulary): documents are joined by EOS, so "
-            "add one (e.g. retrain with `python -m pipeline.tokenizer train`)"
+            "add one (e.g. retrain with `python -m pipeline.tokenize tokenizer train`)"
         )
     bos_tok = None
     if bos:
@@ -374,8 +379,8 @@ def _print_summary(out: Path, **extra: object) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.readers import iter_texts
-    from pipeline.sources import SourceSpec
+    from pipeline.text.readers import iter_texts
+    from pipeline.text.sources import SourceSpec
 
     if (args.input is None) == (args.sources_json is None):
         raise PipelineError("give --input (sources read alike) or --sources-json, one of them")
@@ -420,7 +425,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _specs_from_json(text: str) -> list:
     """``--sources-json``: a list of ``{path, format, text_field, doc_split}`` (data.sources)."""
-    from pipeline.sources import SourceSpec
+    from pipeline.text.sources import SourceSpec
 
     try:
         items = json.loads(text)
@@ -442,13 +447,13 @@ def _specs_from_json(text: str) -> list:
 
 def _parser() -> argparse.ArgumentParser:
     """Options that mirror a config key (``data.tokenizer.*``, ``data.sources[].*``) take its
-    default and description from ``pipeline.config``."""
-    from pipeline.config import TokenizerConfig
-    from pipeline.config_files import mirror_argument
-    from pipeline.readers import add_reader_arguments
+    default and description from ``pipeline.config.schema``."""
+    from pipeline.config.files import mirror_argument
+    from pipeline.config.schema import TokenizerConfig
+    from pipeline.text.readers import add_reader_arguments
 
     ap = argparse.ArgumentParser(
-        prog="python -m pipeline.tokenizer", description=__doc__.split("\n")[0]
+        prog="python -m pipeline.tokenize tokenizer", description=__doc__.split("\n")[0]
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train a byte-level BPE and save an HF tokenizer dir")
@@ -496,7 +501,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = e.filename or getattr(args, "out", None) or getattr(args, "path", "")
         print(f"error: {where}: {e.strerror or e}: check --out", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@
 :func:`tokenize_shard`, :func:`gather` and :class:`SourceSpec`.
 """
 
-from pipeline.sources import SourceSpec
+from pipeline.text.sources import SourceSpec
 from pipeline.tokenize.manifest import gather
 from pipeline.tokenize.shard import shard_path, stats_path, tokenize_shard
 

@@ -5,10 +5,12 @@
         [--doc-split file|blank-line] [--val-fraction F] [--on-invalid skip|fail] [--bos]
         [--no-fast] [--threads N] [--no-progress] [--source-name NAME]
     python -m pipeline.tokenize gather --out DIR --shards K --tokenizer DIR [--source NAME]...
+    python -m pipeline.tokenize tokenizer {train,import,fingerprint} ...   (the tokenizer's own
+        command, :mod:`pipeline.text.tokenizer`: the shards need a tokenizer first)
 
 ``shard`` may be omitted (``python -m pipeline.tokenize --input ...`` tokenizes one shard).
 User errors print ``error: <message>`` to stderr and exit with status 2. Options that mirror a
-config key (``data.*``) take its default and description from ``pipeline.config``.
+config key (``data.*``) take its default and description from ``pipeline.config.schema``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipeline.config import DataConfig
-from pipeline.config_files import mirror_argument
+from pipeline.config.files import mirror_argument
+from pipeline.config.schema import DataConfig
 from pipeline.errors import PipelineError
-from pipeline.readers import add_reader_arguments
+from pipeline.text.readers import add_reader_arguments
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Tokenize raw text into packed Arrow shards, then gather a manifest.",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("tokenizer", add_help=False,
+                   help="train, import or fingerprint a tokenizer "
+                   "(python -m pipeline.tokenize tokenizer --help)")
     sh = sub.add_parser("shard", help="tokenize shard I of K")
     sh.add_argument(
         "--input",
@@ -80,8 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--") and argv[0] not in ("--help", "-h"):
         argv.insert(0, "shard")  # `python -m pipeline.tokenize --input ...` = one shard
+    if argv and argv[0] == "tokenizer":
+        from pipeline.text.tokenizer import main as tokenizer_main
+
+        return tokenizer_main(argv[1:])
     args = _parser().parse_args(argv)
-    from pipeline.sources import SourceSpec
+    from pipeline.text.sources import SourceSpec
     from pipeline.tokenize.manifest import gather
     from pipeline.tokenize.shard import tokenize_shard
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.artifacts import inside, read_artifact
+from pipeline.data.mixture import DEFAULT_SOURCE
 from pipeline.errors import PipelineError
-from pipeline.mixture import DEFAULT_SOURCE
+from pipeline.text.tokenizer import tokenizer_info
 from pipeline.tokenize.shard import FORMAT, SPLITS, shard_name, stats_path
-from pipeline.tokenizer import tokenizer_info
 
 #: Per-split counts summed over the shards.
 _KEYS = ("sequences", "tokens", "documents", "tail_tokens")
@@ -90,7 +90,7 @@ def gather(
         warnings.warn(
             f"tokenizer {tok_dir} is outside {out}: stages read the manifest's tokenizer only "
             f"from inside the data directory (consolidate will refuse it); copy it in with "
-            f"`python -m pipeline.tokenizer import --path {tok_dir} --out {out / 'tokenizer'}`",
+            f"`python -m pipeline.tokenize tokenizer import --path {tok_dir} --out {out / 'tokenizer'}`",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -37,14 +37,14 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.artifacts import inside
-from pipeline.config import DataConfig
-from pipeline.config_files import field_default
-from pipeline.encoders import HFEncoder, TiktokenEncoder, verify_encoder
+from pipeline.config.files import field_default
+from pipeline.config.schema import DataConfig
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
-from pipeline.readers import DocReader
-from pipeline.sources import BigDoc, SourceSpec, plan
-from pipeline.tokenizer import load_tokenizer, make_encoder, tokenizer_info
+from pipeline.text.encoders import HFEncoder, TiktokenEncoder, verify_encoder
+from pipeline.text.readers import DocReader
+from pipeline.text.sources import BigDoc, SourceSpec, plan
+from pipeline.text.tokenizer import load_tokenizer, make_encoder, tokenizer_info
 
 FORMAT = 1
 SPLITS = ("train", "validation")
@@ -71,7 +71,7 @@ def shard_path(out: str | os.PathLike[str], split: str, i: int, source: str | No
 
 def check_source_name(source: str | None) -> None:
     """A source name becomes part of file names: the config's pattern, checked here too."""
-    from pipeline.config import SOURCE_NAME_RE
+    from pipeline.config.schema import SOURCE_NAME_RE
 
     if source is not None and not SOURCE_NAME_RE.fullmatch(source):
         raise PipelineError(

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from pipeline.config import RunConfig
+from pipeline.config.schema import RunConfig
 from pipeline.errors import PipelineError
-from pipeline.model import decoder_layers
+from pipeline.model.build import decoder_layers
 
 log = logging.getLogger(__name__)
 

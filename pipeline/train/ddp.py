@@ -11,7 +11,7 @@ scheduler step, as DeepSpeed does) and the scale halves; the count of skipped st
 scale go to ``metrics.jsonl`` (:meth:`DDPEngine.step_metrics`).
 
 Activation checkpointing (``train.activation_checkpointing``): every decoder layer
-(:func:`pipeline.model.decoder_layers`) is wrapped in torch's non-reentrant checkpoint wrapper.
+(:func:`pipeline.model.build.decoder_layers`) is wrapped in torch's non-reentrant checkpoint wrapper.
 
 Checkpoints are DCP, as the fsdp engine writes them: ``get_state_dict`` gives HF names (DDP's
 ``module.`` and the checkpoint wrapper's prefix removed), saved as ``{"model", "optim"}`` so
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import RunConfig
-from pipeline.model import decoder_layers
+from pipeline.config.schema import RunConfig
+from pipeline.model.build import decoder_layers
 from pipeline.train.compile import compile_decoder_layers
 from pipeline.train.engines import StepResult, adamw_state_for_load, adamw_with_schedule
 
@@ -138,8 +138,8 @@ class DDPEngine:
     def save(self, ckpt: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
-        from pipeline import fastio
-        from pipeline.checkpoint_async import dcp_writer
+        from pipeline.checkpoint import fastio
+        from pipeline.checkpoint.async_save import dcp_writer
 
         # As the fsdp engine: files through fastio's O_DIRECT writer (checksummed, fsynced).
         digests = fastio.Digests()
@@ -148,8 +148,8 @@ class DDPEngine:
         return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
 
     def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
-        """Stage now, write in DCP's background thread (``pipeline.checkpoint_async``)."""
-        from pipeline.checkpoint_async import dcp_save_async, make_stager
+        """Stage now, write in DCP's background thread (``pipeline.checkpoint.async_save``)."""
+        from pipeline.checkpoint.async_save import dcp_save_async, make_stager
 
         if getattr(self, "_stager", None) is None:
             self._stager = make_stager()
@@ -159,7 +159,7 @@ class DDPEngine:
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from pipeline.checkpoint_tensors import dcp_load, read_dcp_metadata
+        from pipeline.checkpoint.tensors import dcp_load, read_dcp_metadata
 
         # As FSDPEngine.load: the allow-listed reader, from the verified bytes after a resume.
         verified = extra.get("verified")

@@ -10,7 +10,7 @@ instead of receiving them the way ``LlamaModel`` passes them down.
 
 The wrappers' attribute names are the checkpoint's names: DeepSpeed saves ``layer_XX``
 files and ZeRO's ``param_shapes`` under ``"<index>.<attribute>.<name>"``, and consolidation
-maps them back to HF names with :func:`pipeline.checkpoint_ds.pipe_to_hf_name`, which reads the
+maps them back to HF names with :func:`pipeline.checkpoint.deepspeed.pipe_to_hf_name`, which reads the
 same constants.
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.checkpoint_ds import PIPE_DECODER, PIPE_EMBED, PIPE_LM_HEAD, PIPE_NORM
-from pipeline.model import decoder_layers
+from pipeline.checkpoint.deepspeed import PIPE_DECODER, PIPE_EMBED, PIPE_LM_HEAD, PIPE_NORM
+from pipeline.model.build import decoder_layers
 
 
 class EmbedPipe(nn.Module):

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from pipeline.config import RunConfig
-from pipeline.model import decoder_layers
+from pipeline.config.schema import RunConfig
+from pipeline.model.build import decoder_layers
 from pipeline.train.compile import compile_decoder_layers
 from pipeline.train.extensions import import_deepspeed
 
@@ -74,7 +74,7 @@ def adamw_state_for_load(opt: Any) -> bool:
         return False
     if not fused and any(g.get("fused") or g.get("capturable") for g in opt.param_groups):
         return False
-    from pipeline.checkpoint_stream import prefault
+    from pipeline.checkpoint.stream import prefault
 
     # torch.optim.optimizer._get_scalar_dtype(): float64 only under a float64 default dtype.
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -120,7 +120,7 @@ def _enable_activation_checkpointing(model: Any) -> None:
     # ZeRO-3 hooks. use_cache is off (a cached forward would be replayed twice on recompute).
     model.config.use_cache = False
     # transformers renamed gradient_checkpointing_enable (and its kwargs) after 5.17; the GPU
-    # image of issue 15 has 5.17, CI a later one: take whichever this version has.
+    # image the GPU benchmarks ran on has 5.17, CI a later one: take whichever this version has.
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
@@ -212,8 +212,8 @@ class FSDPEngine:
     def save(self, ckpt: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
-        from pipeline import fastio
-        from pipeline.checkpoint_async import dcp_writer
+        from pipeline.checkpoint import fastio
+        from pipeline.checkpoint.async_save import dcp_writer
 
         digests = fastio.Digests()
         with fastio.no_torch_crc32():
@@ -221,8 +221,8 @@ class FSDPEngine:
         return {"scheduler": self.sched.state_dict(), "digests": digests.relative_to(ckpt)}
 
     def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
-        """Stage now, write in DCP's background thread (``pipeline.checkpoint_async``)."""
-        from pipeline.checkpoint_async import dcp_save_async, make_stager
+        """Stage now, write in DCP's background thread (``pipeline.checkpoint.async_save``)."""
+        from pipeline.checkpoint.async_save import dcp_save_async, make_stager
 
         if getattr(self, "_stager", None) is None:
             self._stager = make_stager()  # kept: its host buffers are reused save after save
@@ -230,7 +230,7 @@ class FSDPEngine:
         return {"scheduler": self.sched.state_dict()}, write
 
     def load_targets(self) -> Any:
-        """A resume's hook at its start (:class:`~pipeline.checkpoint_reuse.LoadTargets`, or
+        """A resume's hook at its start (:class:`~pipeline.checkpoint.reuse.LoadTargets`, or
         None): nothing is named to read into (DCP reads into the engine's own tensors), but a
         requeued job's Adam moments are made here (:func:`adamw_state_for_load`) instead of
         by the load, so that their pages are faulted in while the ranks verify and DCP plans
@@ -241,7 +241,7 @@ class FSDPEngine:
         with the previous code in one run, 6 pairs): 1.00-1.08 s (median 1.05) against
         1.03-1.30 s (median 1.18). Its undo drops them: an abandoned resume leaves the
         optimizer as it was, without state (uninitialized memory is no Adam state)."""
-        from pipeline.checkpoint_reuse import LoadTargets
+        from pipeline.checkpoint.reuse import LoadTargets
 
         if not adamw_state_for_load(self.opt):
             return None
@@ -250,7 +250,7 @@ class FSDPEngine:
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from pipeline.checkpoint_tensors import dcp_load, read_dcp_metadata
+        from pipeline.checkpoint.tensors import dcp_load, read_dcp_metadata
 
         # Every rank reads the metadata through the allow-list first: a refusal is the same
         # clean error on all ranks, before any collective of the load. dcp_load reads it (and
@@ -287,7 +287,7 @@ def _module_targets(engine: Any, targets: Any) -> None:
     the fp32 master partition the load reads, as DeepSpeed's step does
     (``update_lp_params`` without its all-gather: the same bits). Where two ranks share the
     model-states file, each then reads the half the other one does not, O_DIRECT, instead
-    of both mapping the whole file through the page cache (:mod:`pipeline.checkpoint_read`).
+    of both mapping the whole file through the page cache (:mod:`pipeline.checkpoint.read`).
     Only where DeepSpeed restores its masters from the partition
     (``load_from_fp32_weights``) and the flat buffers are in host memory. Measured on the
     development VM (134 M model, 2 ranks, page cache dropped, each load in a new process,
@@ -388,7 +388,7 @@ class DeepSpeedEngine:
         return float(self.engine.dp_group_loss)
 
     def save(self, ckpt: Path) -> dict[str, Any]:
-        from pipeline import fastio
+        from pipeline.checkpoint import fastio
 
         # DeepSpeed writes every file through its checkpoint engine's save(): route those
         # through fastio's O_DIRECT writer (checksummed, fsynced), as FastPersist does with aio.
@@ -406,8 +406,8 @@ class DeepSpeedEngine:
 
     def save_async(self, ckpt: Path, pg: Any) -> tuple[dict[str, Any], Any]:
         """``save_checkpoint`` with the checkpoint engine's ``save`` staging host copies; the
-        files are written in the background (``pipeline.checkpoint_async.BackgroundWriter``)."""
-        from pipeline.checkpoint_async import BackgroundWriter, make_stager
+        files are written in the background (``pipeline.checkpoint.async_save.BackgroundWriter``)."""
+        from pipeline.checkpoint.async_save import BackgroundWriter, make_stager
 
         if getattr(self, "_writer", None) is None:
             ce = self.engine.checkpoint_engine
@@ -423,7 +423,7 @@ class DeepSpeedEngine:
 
     def load_targets(self) -> Any:
         """What a resume may read this rank's optimizer partition into instead of fresh memory
-        (ZeRO 1-2, :class:`~pipeline.checkpoint_reuse.LoadTargets`; None otherwise): the fp32
+        (ZeRO 1-2, :class:`~pipeline.checkpoint.reuse.LoadTargets`; None otherwise): the fp32
         master partitions and Adam's moments, which the load replaces, by their place in the
         partition's file (``optimizer_state_dict`` of DeepSpeed's ``_save_zero_checkpoint``;
         the base optimizer's state as ``torch.optim``'s ``state_dict`` numbers it). Its undo
@@ -442,7 +442,7 @@ class DeepSpeedEngine:
         by the partition's unpickling, its pages faulted in from there in one piece."""
         import torch.distributed as dist
 
-        from pipeline.checkpoint_reuse import LoadTargets
+        from pipeline.checkpoint.reuse import LoadTargets
 
         opt = self.engine.optimizer
         masters = getattr(opt, "single_partition_of_fp32_groups", None)
@@ -481,7 +481,7 @@ class DeepSpeedEngine:
         return targets
 
     def load(self, ckpt: Path, extra: dict[str, Any]) -> None:
-        from pipeline.checkpoint_tensors import check_ds_files, load_ds_file_for_engine
+        from pipeline.checkpoint.tensors import check_ds_files, load_ds_file_for_engine
 
         # DeepSpeed's checkpoint engine loads with weights_only=False: every rank checks every
         # file's globals against the allow-list first (the same answer on all ranks), and the
@@ -511,11 +511,11 @@ class DeepSpeedEngine:
                 targets.fill()
 
     def _load_universal(self, folder: Path) -> None:
-        """Another world size: DeepSpeed's universal checkpoint (``pipeline.checkpoint_universal``
+        """Another world size: DeepSpeed's universal checkpoint (``pipeline.checkpoint.universal``
         converted and verified it), loaded with ``load_universal`` switched on for this load only;
         DeepSpeed's readers go through the allow-listed ``torch.load``."""
-        from pipeline.checkpoint_tensors import load_ds_file_for_engine
-        from pipeline.checkpoint_universal import TAG, safe_torch_load
+        from pipeline.checkpoint.tensors import load_ds_file_for_engine
+        from pipeline.checkpoint.universal import TAG, safe_torch_load
 
         cfg = self.engine._config
         ce = self.engine.checkpoint_engine

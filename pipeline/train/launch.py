@@ -1,7 +1,7 @@
 """``python -m pipeline.train launch``: submit a run's training and wait for it (the train rule's
 entry point).
 
-The flags are :class:`pipeline.launchopts.LaunchOptions`'s fields (defaults and help from
+The flags are :class:`pipeline.cluster.options.LaunchOptions`'s fields (defaults and help from
 there); the submission is :mod:`pipeline.train.submit`'s, the job's node task
 :mod:`pipeline.train.node`'s. ``--help`` imports neither torch nor submitit.
 """
@@ -14,8 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from pipeline.cluster.options import add_arguments, from_args
 from pipeline.errors import PipelineError
-from pipeline.launchopts import add_arguments, from_args
 
 
 def parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ from pipeline.artifacts import (
     read_json_or_none,
     read_train_done,
 )
-from pipeline.distenv import (
+from pipeline.cluster.env import (
     ATTEMPT_ENV,
     NodeEnv,
     node_env_from_slurm,
@@ -61,9 +61,9 @@ from pipeline.distenv import (
     time_left_s,
     torchrun_argv,
 )
+from pipeline.cluster.options import LaunchOptions
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic
-from pipeline.launchopts import LaunchOptions
 from pipeline.train.watchdog import Limits, Stale, Watch, kill_tree
 
 log = logging.getLogger("pipeline.train.node")

@@ -23,7 +23,7 @@ from pipeline.plan.topology import ParallelDims
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from pipeline.config import RunConfig
+    from pipeline.config.schema import RunConfig
 
 #: Every dimension a mesh may have, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import RunConfig
-from pipeline.model import decoder_layers
+from pipeline.config.schema import RunConfig
+from pipeline.model.build import decoder_layers
 from pipeline.plan.topology import stage_layers
 from pipeline.train.compile import compile_decoder_layers
 from pipeline.train.engines import (

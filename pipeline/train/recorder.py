@@ -1,5 +1,5 @@
 """Rank 0's record of a training run: ``metrics.jsonl`` (one line per step), ``events.jsonl``
-and the experiment trackers of ``train.trackers`` (``pipeline.trackers``: TensorBoard, MLflow,
+and the experiment trackers of ``train.trackers`` (``pipeline.observe.trackers``: TensorBoard, MLflow,
 W&B; one tracker run per run dir across requeues, every step logged once). Every rank's
 recorder keeps its heartbeat (the node task's hang watchdog); other ranks write nothing else.
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import METRICS, append_event, append_jsonl, attempts
-from pipeline.checkpoint import config_hash
-from pipeline.config import RunConfig
-from pipeline.trackers import Trackers
+from pipeline.checkpoint.format import config_hash
+from pipeline.config.schema import RunConfig
+from pipeline.observe.trackers import Trackers
 from pipeline.train.watchdog import Heartbeat
 
 log = logging.getLogger("pipeline.train")

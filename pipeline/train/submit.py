@@ -1,6 +1,6 @@
 """Submit a run's training job and wait for it (login node): local or Slurm.
 
-On Slurm the submission is exactly :func:`pipeline.sbatch.render_submission`'s (argv and
+On Slurm the submission is exactly :func:`pipeline.cluster.sbatch.render_submission`'s (argv and
 script); the launcher records the job in ``job.json``, waits across PENDING/REQUEUED cycles
 (one Snakemake step), and when started again while the job still runs, reattaches to it
 instead of submitting a second one. Locally, submitit's ``LocalExecutor`` runs one node task;
@@ -37,13 +37,13 @@ from pipeline.artifacts import (
     read_train_done,
     write_job,
 )
-from pipeline.config_files import load_run_config
-from pipeline.distenv import JobState, scontrol_job, squeue_states
+from pipeline.cluster.env import JobState, scontrol_job, squeue_states
+from pipeline.cluster.options import LaunchOptions
+from pipeline.cluster.sbatch import SUBMISSION_FILE, Submission, render_submission
+from pipeline.config.files import load_run_config
 from pipeline.errors import PipelineError
-from pipeline.goodput import measured_save_seconds as measured_save_seconds  # re-exported
-from pipeline.goodput import save_time_warning
-from pipeline.launchopts import LaunchOptions
-from pipeline.sbatch import SUBMISSION_FILE, Submission, render_submission
+from pipeline.observe.goodput import measured_save_seconds as measured_save_seconds  # re-exported
+from pipeline.observe.goodput import save_time_warning
 from pipeline.train.node import NodeTask, local_gpu_env
 
 log = logging.getLogger("pipeline.train.launch")

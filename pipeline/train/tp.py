@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.model import decoder_layers
+from pipeline.model.build import decoder_layers
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

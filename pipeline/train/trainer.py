@@ -2,7 +2,7 @@
 
 :class:`Trainer` builds the device, the process group, the parallel layout and its device mesh
 (``pipeline.train.parallel``), the model and its engine, the data loader, the checkpoint
-manager (``pipeline.checkpoint``) and rank 0's recorder; ``train()`` runs ``train_step()`` until
+manager (``pipeline.checkpoint.format``) and rank 0's recorder; ``train()`` runs ``train_step()`` until
 ``train.max_steps`` or an agreed stop; ``close()`` tears down whatever was built. What it leaves
 in the run dir is spelled in ``pipeline.artifacts``.
 
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline import checkpoint as ck
 from pipeline.artifacts import (
     DATA_MANIFEST,
     DS_CONFIG,
@@ -39,13 +38,14 @@ from pipeline.artifacts import (
     STOPPED,
     write_train_done,
 )
-from pipeline.checkpoint_manager import CheckpointManager
-from pipeline.config import RunConfig
-from pipeline.config_files import load_run_config
-from pipeline.distenv import ATTEMPT_ENV, RankEnv
+from pipeline.checkpoint import format as ck
+from pipeline.checkpoint.manager import CheckpointManager
+from pipeline.cluster.env import ATTEMPT_ENV, RankEnv
+from pipeline.config.files import load_run_config
+from pipeline.config.schema import RunConfig
 from pipeline.errors import PipelineError
 from pipeline.io import read_json, sha256_file, write_json_atomic
-from pipeline.model import build_model, device_peak_flops, model_flops_per_token
+from pipeline.model.build import build_model, device_peak_flops, model_flops_per_token
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims, reports_loss
 from pipeline.train.recorder import Recorder
 
@@ -168,7 +168,7 @@ class Trainer:
     def build(self) -> None:
         """Process group, layout check, recorder and lock, then model, engine, data and the
         checkpoint manager; resumes from the newest valid checkpoint."""
-        from pipeline.data import BatchLoader, PackedDataset
+        from pipeline.data.loader import BatchLoader, PackedDataset
 
         dist.init_process_group(backend=self.dist_backend)
         self._check_layout()
@@ -393,7 +393,7 @@ class Trainer:
         """Logits of the final model on a fixed validation batch: consolidation's reference."""
         from safetensors.torch import save_file
 
-        from pipeline.data import PackedDataset
+        from pipeline.data.loader import PackedDataset
 
         val = PackedDataset(self.data_dir, split="validation")
         n = min(2, len(val))

@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.fastio import DIGEST, digest_file
+from pipeline.checkpoint.fastio import DIGEST, digest_file
 from tests.bad_input.conftest import assert_refused, run, snapshot
 from tests.conftest import PY, subprocess_env
 from tests.test_resume import CONFIG, data_dir  # noqa: F401  (data_dir: the module fixture)
@@ -344,7 +344,7 @@ def _plant_dcp_bytes_entry(ckpt: Path, marker: Path) -> str:
     ``torch.load(weights_only=False)``) pointed at a planted ``torch.save`` payload."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from pipeline.checkpoint_tensors import read_dcp_metadata
+    from pipeline.checkpoint.tensors import read_dcp_metadata
 
     meta = read_dcp_metadata(ckpt / "dcp")
     fqn = next(k for k, v in meta.state_dict_metadata.items()

@@ -104,7 +104,7 @@ def test_tokenize_gather_zero_shards(proj: Path) -> None:
 
 
 def _train(*extra: str, out: str = "newtok") -> list[str]:
-    return ["-m", "pipeline.tokenizer", "train", "--input", "corpus", "--vocab-size", "300",
+    return ["-m", "pipeline.tokenize", "tokenizer", "train", "--input", "corpus", "--vocab-size", "300",
             "--out", out, *extra]
 
 
@@ -117,7 +117,7 @@ def test_tokenizer_train_out_dot(proj: Path) -> None:
 
 
 def test_tokenizer_import_out_run_dir(proj: Path) -> None:
-    _refused(proj, ["-m", "pipeline.tokenizer", "import", "--path", TOK, "--out", RUN],
+    _refused(proj, ["-m", "pipeline.tokenize", "tokenizer", "import", "--path", TOK, "--out", RUN],
              RUN, "not written by this command")
 
 

@@ -1,7 +1,7 @@
 """Bad and hostile sources and tokenizers: corrupt compressed or Parquet inputs, lines that are
 not JSON, binary files given as text, folders with nothing to read, unreadable files, things
 that are not tokenizers. Each is refused by ``python -m pipeline.tokenize shard`` or
-``python -m pipeline.tokenizer ...`` with one line naming the file, no traceback, and nothing
+``python -m pipeline.tokenize tokenizer ...`` with one line naming the file, no traceback, and nothing
 written (the output folder is not even created)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _shard(cwd: Path, tok: Path, *inputs: str, extra: tuple[str, ...] = ()):
 
 
 def _train(cwd: Path, *inputs: str, extra: tuple[str, ...] = ()):
-    return run(["-m", "pipeline.tokenizer", "train", "--input", *inputs, "--vocab-size", "300",
+    return run(["-m", "pipeline.tokenize", "tokenizer", "train", "--input", *inputs, "--vocab-size", "300",
                 "--out", str(cwd / "newtok"), *extra], cwd)
 
 
@@ -223,7 +223,7 @@ def test_tokenizer_json_that_is_not_json_on_import(tmp_path: Path) -> None:
     (tmp_path / "tk").mkdir()
     (tmp_path / "tk" / "tokenizer.json").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
     before = snapshot(tmp_path)
-    res = run(["-m", "pipeline.tokenizer", "import", "--path", str(tmp_path / "tk"),
+    res = run(["-m", "pipeline.tokenize", "tokenizer", "import", "--path", str(tmp_path / "tk"),
                "--out", str(tmp_path / "imported")], tmp_path)
     assert_refused(res, "tokenizer.json", before=before, roots=[tmp_path])
 
@@ -248,7 +248,7 @@ def test_tokenizer_without_eos_is_refused_by_tokenize(tmp_path: Path, tok: Path)
 def test_tokenizer_without_eos_is_refused_by_import(tmp_path: Path, tok: Path) -> None:
     tk = _without_eos(tok, tmp_path / "noeos")
     before = snapshot(tmp_path)
-    res = run(["-m", "pipeline.tokenizer", "import", "--path", str(tk / "tokenizer.json"),
+    res = run(["-m", "pipeline.tokenize", "tokenizer", "import", "--path", str(tk / "tokenizer.json"),
                "--out", str(tmp_path / "imported")], tmp_path)
     assert_refused(res, "noeos", "no EOS token", before=before, roots=[tmp_path])
 
@@ -274,7 +274,7 @@ def test_fingerprint_of_json_that_is_not_a_tokenizer(tmp_path: Path) -> None:
     p = tmp_path / "tokenizer.json"
     p.write_text('{"just": "some json"}\n')
     before = snapshot(tmp_path)
-    res = run(["-m", "pipeline.tokenizer", "fingerprint", str(p)], tmp_path)
+    res = run(["-m", "pipeline.tokenize", "tokenizer", "fingerprint", str(p)], tmp_path)
     assert_refused(res, "tokenizer.json", "cannot load tokenizer", before=before,
                    roots=[tmp_path])
 

@@ -29,7 +29,7 @@ def write_corpus(root: Path, files: int = 6, lines: int = 50) -> Path:
 
 def build_tokenizer(out: Path, corpus: Path) -> Path:
     """A byte-level BPE of ``VOCAB`` ids trained on ``corpus`` (in this process, ~1 s)."""
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.text.tokenizer import train_tokenizer
 
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
     return train_tokenizer(texts, VOCAB, out)

@@ -77,7 +77,7 @@ def prepare_data(work: Path, corpus: Path) -> Path:
     """Tokenizer, two shards and the manifest, on this host (the data stage is not under test
     here; test 4 runs it through Slurm)."""
     data = work / "data"
-    run([PY, "-m", "pipeline.tokenizer", "train", "--input", str(corpus), "--vocab-size",
+    run([PY, "-m", "pipeline.tokenize", "tokenizer", "train", "--input", str(corpus), "--vocab-size",
          str(VOCAB), "--max-bytes", "1000000", "--out", str(data / "tokenizer"),
          "--text-field", "text", "--doc-split", "blank-line", "--format", "txt"], timeout=120)
     for shard in ("00000", "00001"):
@@ -93,7 +93,7 @@ def prepare_data(work: Path, corpus: Path) -> Path:
 
 def render(run_dir: Path, cfg: dict[str, Any], name: str = "r") -> Path:
     """Render one run of a config (the real render stage)."""
-    from pipeline.config_files import parse_config
+    from pipeline.config.files import parse_config
 
     run_cfg = parse_config(cfg).run(name)
     run([PY, "-m", "pipeline.render", "--run-config-json",

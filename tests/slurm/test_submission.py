@@ -1,4 +1,4 @@
-"""The rendered submission (``pipeline.sbatch.render_submission``) is what Slurm gets: submitted
+"""The rendered submission (``pipeline.cluster.sbatch.render_submission``) is what Slurm gets: submitted
 through the launcher's executor, a trivial job runs with the rendered options, and Slurm's own
 record (``scontrol``) shows the name, time limit, requeue flag and the very script."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import slurmcluster
 
-from pipeline.launchopts import LaunchOptions
-from pipeline.sbatch import render_submission
+from pipeline.cluster.options import LaunchOptions
+from pipeline.cluster.sbatch import render_submission
 from pipeline.train.submit import ArgvSlurmExecutor
 
 NAME = "zs it's \"odd\" $(touch PWNED) `touch PWNED2` \\ end"

@@ -21,7 +21,7 @@ import pipeline_helpers as h
 import pytest
 import slurmcluster
 
-from pipeline.goodput import PARTS, goodput
+from pipeline.observe.goodput import PARTS, goodput
 
 HANG_TIMEOUT_S = 10
 STEPS = 200

@@ -4,8 +4,8 @@ import os
 import re
 import sys
 
-from pipeline.config_files import expand_sources, parse_config, workflow_config_raw
-from pipeline.preflight_cache import startup_checks
+from pipeline.config.files import expand_sources, parse_config, workflow_config_raw
+from pipeline.plan.preflight_cache import startup_checks
 
 # Rules call `python -m pipeline.<stage>`: make `python` the interpreter running Snakemake
 # (the project's venv) even when the venv is not activated; Slurm jobs inherit this PATH.
@@ -35,7 +35,7 @@ SHARDS = [f"{i:05d}" for i in range(CFG.data.shards)]
 # plugin (and every `run:` subprocess) parses this file again, and the main process has already
 # checked the same config. A pass is cached under .snakemake/zerosnake/preflight/, keyed by the
 # run's effective config, the pipeline's source and the DeepSpeed/torch versions, so a restart
-# with nothing changed imports neither the planner nor DeepSpeed (pipeline/preflight_cache.py).
+# with nothing changed runs neither the planner nor DeepSpeed (pipeline/plan/preflight_cache.py).
 # The render rule repeats the check with the tokenizer's real vocabulary size.
 SOURCE_FILES = startup_checks(CFG, preflight=workflow.is_main_process)
 

@@ -25,7 +25,7 @@ if CFG.data.tokenizer.path:
         log:
             "results/logs/tokenizer.log",
         shell:
-            "python -m pipeline.tokenizer import --path {input.path:q} --out results/data/tokenizer"
+            "python -m pipeline.tokenize tokenizer import --path {input.path:q} --out results/data/tokenizer"
             " > {log:q} 2>&1"
 
 elif not NAMED_SOURCES:
@@ -45,7 +45,7 @@ elif not NAMED_SOURCES:
         log:
             "results/logs/tokenizer.log",
         shell:
-            "python -m pipeline.tokenizer train --input {input:q} --vocab-size {params.vocab}"
+            "python -m pipeline.tokenize tokenizer train --input {input:q} --vocab-size {params.vocab}"
             " --max-bytes {params.max_bytes} --out results/data/tokenizer {params.fmt:q}"
             " > {log:q} 2>&1"
 
@@ -67,7 +67,7 @@ else:
         log:
             "results/logs/tokenizer.log",
         shell:
-            "python -m pipeline.tokenizer train --sources-json {params.sources:q}"
+            "python -m pipeline.tokenize tokenizer train --sources-json {params.sources:q}"
             " --vocab-size {params.vocab} --max-bytes {params.max_bytes}"
             " --out results/data/tokenizer > {log:q} 2>&1"
 

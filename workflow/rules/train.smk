@@ -4,7 +4,7 @@
 # Checkpoints live in results/runs/{run}/checkpoints and are NOT outputs, so a killed rule keeps them and the
 # rerun resumes from the newest complete one.
 
-from pipeline.launchopts import LAUNCH_RESOURCES, launch_argv
+from pipeline.cluster.options import LAUNCH_RESOURCES, launch_argv
 
 
 rule train:
@@ -19,7 +19,7 @@ rule train:
         "results/logs/train/{run}.log",
     threads: lambda wildcards: CFG.run(wildcards.run).cluster.gpus_per_node
     resources:
-        # One resource per launcher setting, defaults from pipeline/launchopts.py (defined
+        # One resource per launcher setting, defaults from pipeline/cluster/options.py (defined
         # there once); profiles override them by these names (set-resources: train: ...).
         **LAUNCH_RESOURCES,
     params:
