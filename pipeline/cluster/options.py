@@ -20,10 +20,12 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import re
 import shlex
 import textwrap
 import typing
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,19 @@ from typing import Any
 from pipeline.errors import PipelineError
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SBATCH_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+#: Unicode's control characters and line and paragraph separators: in a value that reaches a
+#: script, a log line or squeue's output, a line break ends that line and starts another one.
+_CONTROL = frozenset({"Cc", "Zl", "Zp"})
+
+
+def check_text(value: str, what: str) -> None:
+    """Refuse a value holding a newline or another control character (tab, escape, NUL, ...):
+    ``what`` names where it came from (a flag, a path) in the one-line message."""
+    bad = next((c for c in value if unicodedata.category(c) in _CONTROL), None)
+    if bad is not None:
+        raise PipelineError(f"{what} {value!r} holds a control character ({bad!r}): use "
+                            "one without newlines, tabs or other control characters")
 
 
 def parse_env(items: list[str] | str) -> dict[str, str]:
@@ -53,8 +68,9 @@ def parse_sbatch(items: list[str]) -> dict[str, str | bool]:
     out: dict[str, str | bool] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not key:
-            raise PipelineError(f"--sbatch {item!r}: expected KEY=VALUE or KEY")
+        if not SBATCH_KEY_RE.match(key):
+            raise PipelineError(f"--sbatch {item!r}: expected KEY=VALUE or KEY, KEY an sbatch "
+                                "option's name (e.g. reservation=myres)")
         out[key] = value if sep else True
     return out
 
@@ -63,17 +79,34 @@ def parse_sbatch_extra(items: list[str] | str) -> list[str]:
     """Extra sbatch arguments given as strings, split like a shell would (never run by one)."""
     out: list[str] = []
     for item in [items] if isinstance(items, str) else items:
-        out += shlex.split(item)
+        try:
+            args = shlex.split(item)
+        except ValueError as err:  # an unbalanced quote, or a backslash at the end
+            raise PipelineError(f"--sbatch-extra {item!r}: {str(err).lower()} (quote like a "
+                                "shell would, e.g. --comment='a b')") from None
+        for arg in args:
+            if not arg.startswith("--"):
+                raise PipelineError(f"--sbatch-extra {item!r}: {arg!r} is not an --option; give "
+                                    "each option with its value as --name=value")
+        out += args
     return out
 
 
 def _meta(*, resource: str | None = None, choices: tuple[str, ...] = (),
           repeat: Callable[[list[str]], Any] | None = None,
-          metavar: str | None = None) -> dict[str, Any]:
+          metavar: str | None = None,
+          bounds: tuple[float, float, str] | None = None) -> dict[str, Any]:
     """What the CLI and the rule need to know about a field. ``resource``: its name among the
     train rule's resources (None: not a resource); ``repeat``: a repeatable flag, whose
-    strings this function turns into the value."""
-    return {"resource": resource, "choices": choices, "repeat": repeat, "metavar": metavar}
+    strings this function turns into the value; ``bounds``: a number's lowest and highest
+    value and its unit (:func:`check_options` refuses anything outside, and NaN)."""
+    return {"resource": resource, "choices": choices, "repeat": repeat, "metavar": metavar,
+            "bounds": bounds}
+
+
+_YEAR_MIN = 366 * 24 * 60
+_YEAR_S = _YEAR_MIN * 60
+_MAX_BUDGET = 10_000
 
 
 def _opt(default: Any = None, **meta: Any) -> Any:
@@ -99,34 +132,38 @@ class LaunchOptions:
     exclude: str | None = _opt(resource="slurm_exclude")
     """Nodes not to use, comma-separated; a node that fails the rendezvous is added to the
     job's list automatically."""
-    time_min: int = _opt(60, resource="runtime")
+    time_min: int = _opt(60, resource="runtime", bounds=(1, _YEAR_MIN, "minutes"))
     """Time limit of one job attempt, minutes; requeues continue the run."""
-    cpus_per_task: int = _opt(2, resource="cpus_per_task")
+    cpus_per_task: int = _opt(2, resource="cpus_per_task", bounds=(1, 100_000, "CPUs"))
     """CPUs per node task (one task per node runs torchrun and its ranks)."""
-    mem_gb: float | None = _opt(None, resource="slurm_mem_gb")
+    mem_gb: float | None = _opt(None, resource="slurm_mem_gb", bounds=(0.001, 1e6, "GB"))
     """Memory per node in GB (0 or empty: the partition's default)."""
-    signal_delay_s: int = _opt(90, resource="signal_delay_s")
+    # Slurm takes a signal lead time of at most 65535 s (--signal=SIG@TIME).
+    signal_delay_s: int = _opt(90, resource="signal_delay_s", bounds=(1, 65_535, "seconds"))
     """Seconds before the time limit when USR2 asks the job to stop, save and requeue; keep it
     above the checkpoint save time (the launcher warns if not) plus ~30 s."""
-    max_requeues: int = _opt(3, resource="max_requeues")
+    max_requeues: int = _opt(3, resource="max_requeues", bounds=(0, _MAX_BUDGET, "requeues"))
     """Requeues after a time-limit warning before giving up."""
-    max_preemptions: int = _opt(10, resource="max_preemptions")
+    max_preemptions: int = _opt(10, resource="max_preemptions",
+                                 bounds=(0, _MAX_BUDGET, "requeues"))
     """Requeues after a preemption (a signal well before the limit) before giving up."""
-    max_failures: int = _opt(2, resource="max_failures")
+    max_failures: int = _opt(2, resource="max_failures", bounds=(0, _MAX_BUDGET, "requeues"))
     """Requeues after a rank or node failure, from the last complete checkpoint."""
-    hang_timeout_s: int = _opt(300, resource="hang_timeout_s")
+    hang_timeout_s: int = _opt(300, resource="hang_timeout_s",
+                                bounds=(0, _YEAR_S, "seconds (0: no watchdog)"))
     """Seconds a rank may go without finishing a step before the job's node task declares it
     hung (frozen, stuck in a collective), names it, kills the ranks (SIGKILL) and retries from
     the last checkpoint within max_failures; 0 turns the watchdog off. Keep it above the
     slowest step and well under the time limit."""
-    hang_startup_s: int = _opt(900, resource="hang_startup_s")
+    hang_startup_s: int = _opt(900, resource="hang_startup_s", bounds=(0, _YEAR_S, "seconds"))
     """The watchdog's allowance from torchrun's start to the end of the first step (process
     group, checkpoint load, the first step's warm-up)."""
-    hang_save_s: int = _opt(900, resource="hang_save_s")
+    hang_save_s: int = _opt(900, resource="hang_save_s", bounds=(0, _YEAR_S, "seconds"))
     """The watchdog's allowance for a checkpoint save."""
     job_name: str = _opt("zerosnake")
     """Job name as Slurm shows it (the train rule passes ``zs-<run>``)."""
-    poll_s: float = _opt(5.0, resource="poll_s")
+    # Polls faster than this load slurmctld for nothing; slower ones notice the end too late.
+    poll_s: float = _opt(5.0, resource="poll_s", bounds=(0.1, 3600, "seconds"))
     """Seconds between two squeue polls of the waiting launcher."""
     job_env: dict[str, str] = field(default_factory=dict, metadata=_meta(
         resource="job_env", repeat=parse_env, metavar="NAME=VALUE[,NAME=VALUE]"))
@@ -209,11 +246,13 @@ def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
             continue
         kind = _scalar_type(f.name)
         shown = "unset" if default is None else default
+        bounds = meta["bounds"]
+        span = f"; {_num(bounds[0])} to {_num(bounds[1])}" if bounds else ""
         parser.add_argument(
             flag_of(f.name), dest=f.name,
             type=str if kind is str else _number(kind, optional=default is None),
             default=default, choices=meta["choices"] or None, metavar=meta["metavar"],
-            help=f"{help_} (default: {shown})",
+            help=f"{help_} (default: {shown}{span})",
         )
 
 
@@ -235,7 +274,76 @@ def from_args(args: argparse.Namespace) -> LaunchOptions:
         elif _types()[f.name] != _scalar_type(f.name) and not value:
             value = None  # "" or 0: unset
         values[f.name] = value
-    return LaunchOptions(**values)
+    opts = LaunchOptions(**values)
+    check_options(opts)
+    return opts
+
+
+# --------------------------------------------------------------------------------------------
+# the checks: every setting in range before anything is submitted
+
+
+def _num(x: float) -> str:
+    """A bound as the message shows it: ``60``, ``0.1``, ``1000000``."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def check_numbers(opts: LaunchOptions) -> None:
+    """Refuse a number that no job can run with: NaN or infinite, outside its field's bounds,
+    or at odds with another (a stop signal not under the time limit, a watchdog allowing no
+    time for the start or a save). The message names the flag and the range."""
+    for f in _fields():
+        bounds = f.metadata["bounds"]
+        if bounds is None:
+            continue
+        lo, hi, unit = bounds
+        value = getattr(opts, f.name)
+        optional = _types()[f.name] != _scalar_type(f.name)
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PipelineError(f"{flag_of(f.name)} {value!r}: not a number; give {unit}")
+        if optional and value == 0:
+            continue  # 0: unset, like an empty value
+        if not math.isfinite(value) or not lo <= value <= hi:
+            unset = " (0 or empty: unset)" if optional else ""
+            raise PipelineError(f"{flag_of(f.name)} {value}: give {unit} from {_num(lo)} to "
+                                f"{_num(hi)}{unset}")
+    if opts.signal_delay_s >= opts.time_min * 60:
+        raise PipelineError(
+            f"--signal-delay-s {opts.signal_delay_s} is not under the time limit (--time-min "
+            f"{opts.time_min}: {opts.time_min * 60} s): the stop signal would come as the job "
+            "starts; lower --signal-delay-s or raise --time-min")
+    if opts.hang_timeout_s > 0:
+        for name in ("hang_startup_s", "hang_save_s"):
+            if getattr(opts, name) == 0:
+                raise PipelineError(
+                    f"{flag_of(name)} 0: give seconds > 0 while the hang watchdog is on "
+                    f"(--hang-timeout-s {opts.hang_timeout_s}), or turn it off with "
+                    "--hang-timeout-s 0")
+
+
+def check_options(opts: LaunchOptions) -> None:
+    """Refuse settings a job cannot be submitted with, naming the flag: numbers out of range
+    (:func:`check_numbers`), an empty job name, and text holding a control character: the text
+    goes on sbatch's argv, never into the script, but a newline in it would still split the
+    launcher's log lines and squeue's output. The options' form (``--sbatch`` keys,
+    ``--sbatch-extra`` words) is checked where they are parsed, and again by
+    :func:`pipeline.cluster.sbatch.sbatch_options`."""
+    check_numbers(opts)
+    if not opts.job_name.strip():
+        raise PipelineError("--job-name is empty: give the job a name (the train rule passes "
+                            "zs-<run>)")
+    for f in _fields():
+        value = getattr(opts, f.name)
+        if isinstance(value, str):
+            check_text(value, flag_of(f.name))
+    for key, value in opts.job_env.items():
+        check_text(f"{key}={value}", "--job-env")
+    for key, value in opts.sbatch.items():
+        check_text(key if value is True else f"{key}={value}", "--sbatch")
+    for arg in opts.sbatch_extra:
+        check_text(arg, "--sbatch-extra")
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pipeline.artifacts import (
     write_job,
 )
 from pipeline.cluster.env import JobState, scontrol_job, squeue_states
-from pipeline.cluster.options import LaunchOptions
+from pipeline.cluster.options import LaunchOptions, check_options, check_text
 from pipeline.cluster.sbatch import SUBMISSION_FILE, Submission, render_submission
 from pipeline.config.files import load_run_config
 from pipeline.errors import PipelineError
@@ -362,12 +362,13 @@ def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
 
 def launch(run_dir: Path, data_dir: Path, opts: LaunchOptions) -> dict[str, Any]:
     """Submit the run's training job and wait for it; returns ``train.done``'s content."""
+    # Everything is checked before anything is written or submitted: a refused launch leaves
+    # the run directory as it was (its STOP file included).
+    check_options(opts)
+    for flag, path in (("--run-dir", run_dir), ("--data-dir", data_dir)):
+        check_text(str(path), flag)
     run_dir = run_dir.resolve()
     data_dir = data_dir.resolve()
-    for name in ("hang_timeout_s", "hang_startup_s", "hang_save_s"):
-        if getattr(opts, name) < 0:
-            raise PipelineError(f"--{name.replace('_', '-')} is {getattr(opts, name)}: give "
-                                "seconds >= 0 (0 turns the hang watchdog off)")
     run = load_run_config(run_dir / RUN_CONFIG)
     if opts.launcher == "slurm":
         return launch_slurm(run_dir, data_dir, run, opts)
