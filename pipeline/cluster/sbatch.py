@@ -2,17 +2,22 @@
 and submission script that the launcher hands to sbatch (render previews the same).
 
 Every user-supplied string (job name, partition, account, qos, constraint, exclude list, extra
-options) goes on sbatch's argv, one argument each: sbatch reads them as data, whatever they
-contain (quotes, ``$(...)``, a newline). The script holds only what the launcher computes
-(node and CPU counts, time, memory, the USR2 warning, log paths) in submitit's own layout,
-which its job environment relies on (``srun --unbuffered``, ``SUBMITIT_EXECUTOR``).
+options, the job's environment) stays out of the script: the strings go on sbatch's argv, one
+argument each, which sbatch reads as data whatever they contain (quotes, ``$(...)``, a
+newline); the environment travels in the pickled task. The script holds only what the launcher
+computes (node and CPU counts, time, memory, the USR2 warning) and two paths, the job folder
+(from the run directory) and the interpreter, in submitit's own layout, which its job
+environment relies on (``srun --unbuffered``, ``SUBMITIT_EXECUTOR``). Both paths are quoted
+wherever they appear (``shlex.quote``: by :func:`submitit_command`, and by submitit in the
+``#SBATCH`` lines, whose parser honours shell quotes too), and refused when they hold a
+control character: no quoting keeps a newline inside an ``#SBATCH`` line, the text after it
+would run as a command (:func:`check_folder`).
 
 Torch-free; imports submitit's script writer only (no executor, no Slurm commands).
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -21,10 +26,9 @@ from typing import Any
 
 from submitit.slurm.slurm import _make_sbatch_string
 
-from pipeline.cluster.options import LaunchOptions
+from pipeline.cluster.options import SBATCH_KEY_RE, LaunchOptions, check_numbers, check_text
 from pipeline.errors import PipelineError
 
-SBATCH_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 #: What ``job.json`` and ``launch.json`` show in place of the submission file's path (submitit
 #: chooses it at submission: ``<folder>/.submission_file_<uuid>.sh``).
 SUBMISSION_FILE = "<submission file>"
@@ -93,11 +97,31 @@ def submitit_command(folder: str | Path, python: str | None = None) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
+def check_folder(folder: str | Path) -> None:
+    """Refuse a job folder the script cannot carry: a control character (a newline ends the
+    line, the rest would run as a command), a backslash (sbatch's directive parser drops it,
+    even between quotes: the logs would go elsewhere), or a ``%`` before the job id's ``%j``
+    (Slurm and submitit read ``%j``, ``%t``, ... in these paths as the job's numbers)."""
+    text = str(folder)
+    what = "the job folder (under --run-dir)"
+    check_text(text, what)
+    if "\\" in text:
+        raise PipelineError(f"{what} {text!r} holds a backslash, which sbatch drops from its "
+                            "log paths: use a run directory whose path has none")
+    if "%" in text.removesuffix("%j"):
+        raise PipelineError(f"{what} {text!r} holds a '%', which Slurm reads as the start of "
+                            "a file name pattern (%j: the job id): use a run directory whose "
+                            "path has none")
+
+
 def render_submission(opts: LaunchOptions, *, nodes: int, gpus_per_node: int, device: str,
                       folder: str | Path, python: str | None = None) -> Submission:
     """The submission of a run's training job: sbatch's argv and the script, exactly as
     submitted. ``folder``: submitit's job folder (``<run>/submitit/%j``); ``python``: the
     interpreter's shell word in the script (default: this one, quoted)."""
+    check_numbers(opts)
+    check_folder(folder)
+    check_text(sys.executable if python is None else python, "the Python interpreter's path")
     params = submitit_parameters(opts, nodes=nodes, gpus_per_node=gpus_per_node, device=device)
     script = _make_sbatch_string(command=submitit_command(folder, python), folder=folder,
                                  **params)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -39,7 +40,7 @@ from pipeline.artifacts import (
 )
 from pipeline.cluster.env import JobState, scontrol_job, squeue_states
 from pipeline.cluster.options import LaunchOptions, check_options, check_text
-from pipeline.cluster.sbatch import SUBMISSION_FILE, Submission, render_submission
+from pipeline.cluster.sbatch import SUBMISSION_FILE, Submission, check_folder, render_submission
 from pipeline.config.files import load_run_config
 from pipeline.errors import PipelineError
 from pipeline.observe.goodput import measured_save_seconds as measured_save_seconds  # re-exported
@@ -371,6 +372,11 @@ def launch(run_dir: Path, data_dir: Path, opts: LaunchOptions) -> dict[str, Any]
     data_dir = data_dir.resolve()
     run = load_run_config(run_dir / RUN_CONFIG)
     if opts.launcher == "slurm":
+        check_folder(run_dir / SUBMITIT / "%j")
+        missing = [cmd for cmd in ("sbatch", "srun", "squeue") if shutil.which(cmd) is None]
+        if missing:
+            raise PipelineError(f"--launcher slurm: {', '.join(missing)} not found on PATH; "
+                                "run on a Slurm login node, or use --launcher local")
         return launch_slurm(run_dir, data_dir, run, opts)
     if opts.launcher != "local":
         raise PipelineError(f"unknown launcher {opts.launcher!r}: use local or slurm")
