@@ -9,7 +9,9 @@ a trainer left over from a killed launch is waited for through the run's lock.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
 import json
 import logging
 import os
@@ -133,6 +135,37 @@ def _reattachable(run_dir: Path) -> tuple[dict[str, Any], JobState] | None:
     return rec, st
 
 
+def _submit(executor: ArgvSlurmExecutor, task: NodeTask, folder: Path) -> submitit.Job:
+    """``executor.submit(task)``, or a PipelineError with sbatch's own message when it fails
+    (no controller, a refused option, no sbatch at all); the files submitit wrote in
+    ``folder`` for the job that never was (its pickled task, its submission file) are removed
+    again, and nothing else is touched."""
+    existed = folder.is_dir()
+    before = set(folder.iterdir()) if existed else set()
+    then = "no job was submitted; check that Slurm answers here (sinfo), then run the workflow again"
+    try:
+        # submitit prints sbatch's complaint itself before raising: the error below carries it.
+        with contextlib.redirect_stderr(io.StringIO()):
+            return executor.submit(task)
+    except submitit.core.utils.FailedSubmissionError as err:
+        # sbatch exited 0 but named no job id: a job may exist after all (without its task).
+        why = f"sbatch answered without a job id ({str(err).splitlines()[0]})"
+        then = "look for the job with squeue --me and cancel it, then run the workflow again"
+    except submitit.core.utils.FailedJobError as err:
+        said = " | ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        why = f"sbatch failed ({said or 'no message'})"
+    except FileNotFoundError as err:
+        why = f"{err.filename or 'sbatch'} not found on PATH"
+    except OSError as err:
+        why = f"could not submit the job: {err}"
+    for path in (set(folder.iterdir()) - before) if folder.is_dir() else set():
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+    if not existed and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+    raise PipelineError(f"{why}: {then}")
+
+
 def submit_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -> dict[str, Any]:
     """Submit the run's job (exactly :func:`render_submission`'s form); job.json's record."""
     folder = run_dir / SUBMITIT / "%j"
@@ -151,7 +184,7 @@ def submit_slurm(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
     # recorded and applied on every attempt.
     task = NodeTask(str(run_dir), str(data_dir), run.cluster.gpus_per_node, run.cluster.nodes,
                     opts)
-    job = executor.submit(task)
+    job = _submit(executor, task, run_dir / SUBMITIT)
     old = read_job(run_dir) or {}
     history = old.get("history", [])
     if old.get("job_id"):
