@@ -45,9 +45,9 @@ elif not NAMED_SOURCES:
         log:
             "results/logs/tokenizer.log",
         shell:
-            "python -m pipeline.tokenize tokenizer train --input {input:q} --vocab-size {params.vocab}"
-            " --max-bytes {params.max_bytes} --out results/data/tokenizer {params.fmt:q}"
-            " > {log:q} 2>&1"
+            "python -m pipeline.tokenize tokenizer train --input {input:q}"
+            " --vocab-size {params.vocab:q} --max-bytes {params.max_bytes:q}"
+            " --out results/data/tokenizer {params.fmt:q} > {log:q} 2>&1"
 
 else:
 
@@ -68,7 +68,7 @@ else:
             "results/logs/tokenizer.log",
         shell:
             "python -m pipeline.tokenize tokenizer train --sources-json {params.sources:q}"
-            " --vocab-size {params.vocab} --max-bytes {params.max_bytes}"
+            " --vocab-size {params.vocab:q} --max-bytes {params.max_bytes:q}"
             " --out results/data/tokenizer > {log:q} 2>&1"
 
 
@@ -94,9 +94,9 @@ if not NAMED_SOURCES:
             "results/logs/tokenize/shard-{shard}.log",
         shell:
             "python -m pipeline.tokenize shard --input {params.sources:q}"
-            " --tokenizer results/data/tokenizer --seq-len {params.seq_len}"
-            " --shards {params.shards} --shard {wildcards.shard} --out results/data"
-            " --val-fraction {params.val_fraction} --on-invalid {params.on_invalid}"
+            " --tokenizer results/data/tokenizer --seq-len {params.seq_len:q}"
+            " --shards {params.shards:q} --shard {wildcards.shard:q} --out results/data"
+            " --val-fraction {params.val_fraction:q} --on-invalid {params.on_invalid:q}"
             " {params.fmt:q} {params.extra:q} > {log:q} 2>&1"
 
 
@@ -113,7 +113,7 @@ if not NAMED_SOURCES:
         log:
             "results/logs/gather.log",
         shell:
-            "python -m pipeline.tokenize gather --out results/data --shards {params.shards}"
+            "python -m pipeline.tokenize gather --out results/data --shards {params.shards:q}"
             " --tokenizer results/data/tokenizer > {log:q} 2>&1"
 
 else:
@@ -142,9 +142,9 @@ else:
             "results/logs/tokenize/{source}.shard-{shard}.log",
         shell:
             "python -m pipeline.tokenize shard --input {params.sources:q}"
-            " --tokenizer results/data/tokenizer --seq-len {params.seq_len}"
-            " --shards {params.shards} --shard {wildcards.shard} --out results/data"
-            " --val-fraction {params.val_fraction} --on-invalid {params.on_invalid}"
+            " --tokenizer results/data/tokenizer --seq-len {params.seq_len:q}"
+            " --shards {params.shards:q} --shard {wildcards.shard:q} --out results/data"
+            " --val-fraction {params.val_fraction:q} --on-invalid {params.on_invalid:q}"
             " --source-name {wildcards.source:q} {params.fmt:q} {params.extra:q} > {log:q} 2>&1"
 
     rule gather:
@@ -162,5 +162,5 @@ else:
         log:
             "results/logs/gather.log",
         shell:
-            "python -m pipeline.tokenize gather --out results/data --shards {params.shards}"
+            "python -m pipeline.tokenize gather --out results/data --shards {params.shards:q}"
             " --tokenizer results/data/tokenizer {params.sources:q} > {log:q} 2>&1"
