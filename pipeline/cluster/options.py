@@ -284,8 +284,8 @@ def from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def _num(x: float) -> str:
-    """A bound as the message shows it: ``60``, ``0.1``, ``1000000``."""
-    return str(int(x)) if float(x).is_integer() else str(x)
+    """A number as a message shows it: ``60``, ``0.1``, ``1000000``, ``nan``."""
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else str(x)
 
 
 def check_numbers(opts: LaunchOptions) -> None:
@@ -307,8 +307,8 @@ def check_numbers(opts: LaunchOptions) -> None:
             continue  # 0: unset, like an empty value
         if not math.isfinite(value) or not lo <= value <= hi:
             unset = " (0 or empty: unset)" if optional else ""
-            raise PipelineError(f"{flag_of(f.name)} {value}: give {unit} from {_num(lo)} to "
-                                f"{_num(hi)}{unset}")
+            raise PipelineError(f"{flag_of(f.name)} {_num(value)}: give {unit} from "
+                                f"{_num(lo)} to {_num(hi)}{unset}")
     if opts.signal_delay_s >= opts.time_min * 60:
         raise PipelineError(
             f"--signal-delay-s {opts.signal_delay_s} is not under the time limit (--time-min "
