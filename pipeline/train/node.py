@@ -49,6 +49,7 @@ from pipeline.artifacts import (
     TRAIN_DONE,
     append_event,
     latest_checkpoint_name,
+    rank_error,
     read_events,
     read_json_or_none,
     read_train_done,
@@ -236,6 +237,9 @@ class NodeTask(submitit.helpers.Checkpointable):
     def _failure_text(self, rc: int, host: str) -> str:
         if self._hung:
             return "hang: " + "; ".join(s.describe() for s in self._hung)
+        said = rank_error(Path(self.run_dir), self._attempt or "")
+        if said is not None:
+            return f"{said} (torchrun exited with status {rc} on {host})"
         return f"torchrun exited with status {rc} on {host}; see the rank logs above"
 
     # -- the watchdog --------------------------------------------------------------------------
