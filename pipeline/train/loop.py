@@ -11,9 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.artifacts import EXIT_USAGE, write_rank_error
+from pipeline.artifacts import EXIT_USAGE
 from pipeline.cluster.env import ATTEMPT_ENV
 from pipeline.errors import PipelineError
+from pipeline.train.rank_error import write_rank_error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,6 @@ from pipeline.artifacts import (
     TRAIN_DONE,
     append_event,
     latest_checkpoint_name,
-    rank_error,
     read_events,
     read_json_or_none,
     read_train_done,
@@ -65,6 +64,7 @@ from pipeline.cluster.env import (
 from pipeline.cluster.options import LaunchOptions
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic
+from pipeline.train.rank_error import rank_error
 from pipeline.train.watchdog import Limits, Stale, Watch, kill_tree
 
 log = logging.getLogger("pipeline.train.node")

@@ -32,7 +32,6 @@ from pipeline.artifacts import (
     TRAIN_DONE,
     append_event,
     latest_checkpoint_name,
-    rank_error,
     read_events,
     read_job,
     read_train_done,
@@ -46,6 +45,7 @@ from pipeline.errors import PipelineError
 from pipeline.observe.goodput import measured_save_seconds as measured_save_seconds  # re-exported
 from pipeline.observe.goodput import save_time_warning
 from pipeline.train.node import NodeTask, local_gpu_env
+from pipeline.train.rank_error import rank_error
 
 log = logging.getLogger("pipeline.train.launch")
 
