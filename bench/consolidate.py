@@ -115,6 +115,12 @@ from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.io import sha256_file, write_json_atomic
 from pipeline.checkpoint import format as ck
+from pipeline.config.files import load_run_config
+
+
+def owner(run):  # the hashes the trainer records: consolidate checks the checkpoint is this run's
+    return {{"config_hash": ck.config_hash(load_run_config(run / "config.json")),
+             "data_manifest_sha256": sha256_file(run.parent.parent / "data" / "manifest.json")}}
 a = {a!r}
 run = Path({run!r})
 cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["inter"],
@@ -125,7 +131,7 @@ with torch.device("meta"):
 g = torch.Generator().manual_seed(0)
 state = {{k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}}
 dcp.save({{"model": state}}, checkpoint_id=str(ck.tmp_dir(run / "checkpoints", 2) / "dcp"), no_dist=True)
-ck.finalize(run / "checkpoints", 2, {{"backend": "fsdp", "world_size": 1}}, 1)
+ck.finalize(run / "checkpoints", 2, {{"backend": "fsdp", "world_size": 1, **owner(run)}}, 1)
 write_json_atomic(run / "train.done", {{"step": 2, "checkpoint": "step-000002"}})
 print("PARAMS", sum(v.numel() for v in state.values()))
 """
@@ -141,8 +147,14 @@ from pipeline.train.extensions import import_deepspeed
 deepspeed = import_deepspeed()
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM
-from pipeline.io import write_json_atomic
+from pipeline.io import sha256_file, write_json_atomic
 from pipeline.checkpoint import format as ck
+from pipeline.config.files import load_run_config
+
+
+def owner(run):  # the hashes the trainer records: consolidate checks the checkpoint is this run's
+    return {{"config_hash": ck.config_hash(load_run_config(run / "config.json")),
+             "data_manifest_sha256": sha256_file(run.parent.parent / "data" / "manifest.json")}}
 a = {a!r}
 run = Path({run!r})
 cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["inter"],
@@ -157,7 +169,8 @@ engine.backward(engine(input_ids=ids, labels=ids).loss)
 engine.step()
 tmp = ck.tmp_dir(run / "checkpoints", 2)
 engine.save_checkpoint(str(tmp), tag="ds", save_latest=False)
-ck.finalize(run / "checkpoints", 2, {{"backend": "deepspeed", "zero_stage": 2, "world_size": 1}}, 1)
+ck.finalize(run / "checkpoints", 2, {{"backend": "deepspeed", "zero_stage": 2, "world_size": 1,
+                                      **owner(run)}}, 1)
 write_json_atomic(run / "train.done", {{"step": 2, "checkpoint": "step-000002"}})
 """
 

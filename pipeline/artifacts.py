@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,9 @@ LOCK = "train.lock"  # train: rank 0 holds it while training (one trainer per ru
 PROBE_LOGITS = "probe_logits.safetensors"  # train → consolidate: logits of the final model
 CHECKPOINTS = "checkpoints"
 NODES = "nodes"  # launcher: one record per node and attempt
+#: rank → launcher: a rank's user-facing error (a refused checkpoint, a bad file), so that the
+#: launcher ends with that one line, not torchrun's wrapper around the rank's traceback.
+RANK_ERROR = "rank_error.json"
 HEARTBEAT_DIR = "heartbeat"  # train → launcher: rank-NNNNN, each rank's latest step and phase
 SUBMITIT = "submitit"
 HF_DIR = "hf"  # consolidate
@@ -74,7 +77,7 @@ EVAL_METRICS = "metrics.json"
 RUN_DIR_NAMES = frozenset({
     RUN_CONFIG, DS_CONFIG, FSDP_CONFIG, TOPOLOGY, PLAN_MD, PLAN_JSON, LAUNCH, JOB, EVENTS,
     METRICS, TRAIN_DONE, STOPPED, STOP, LOCK, PROBE_LOGITS, CHECKPOINTS, NODES, SUBMITIT, HF_DIR,
-    EVAL_DIR, TB_DIR, HEARTBEAT_DIR, TRACKERS, WANDB_DIR,
+    EVAL_DIR, TB_DIR, HEARTBEAT_DIR, TRACKERS, WANDB_DIR, RANK_ERROR,
 })
 
 # --- a checkpoint folder ---------------------------------------------------------------------
@@ -378,17 +381,35 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_replaceable(dest: Path, marker: str, own_names: Collection[str] = ()) -> None:
+def check_replaceable(dest: Path, marker: str, own_names: Collection[str] = (),
+                      owner: Mapping[str, Any] | None = None) -> None:
     """Raise unless ``dest`` is absent or is what this command wrote before: it holds
     ``marker``, or (folders written before markers existed) holds nothing but ``own_names``.
+    With ``owner`` (e.g. ``{"run": name}``), the marker must be a JSON object whose values for
+    those keys are these (a marker written before a key was recorded may lack it): another
+    run's output carries the same marker and is not this run's to replace.
     A command never replaces a folder it did not create."""
     if not dest.exists() and not dest.is_symlink():
         return
     if dest.is_symlink() or not dest.is_dir():
         raise PipelineError(f"{dest} exists and is not a folder this command wrote: choose "
                             "another output path")
-    if (dest / marker).is_file():
-        return
+    if (dest / marker).is_file() and not (dest / marker).is_symlink():
+        if owner is None:
+            return
+        found = read_json_or_none(dest / marker)
+        found = found if isinstance(found, dict) else {k: object() for k in owner}
+        wrong = {k: found[k] for k, v in owner.items() if k in found and found[k] != v}
+        if not wrong:
+            return
+        theirs = ", ".join(f"{k} {v!r}" for k, v in wrong.items()
+                           if isinstance(v, (str, int, float)))
+        raise PipelineError(
+            f"{dest} holds the output of "
+            + (theirs if theirs else f"another run (its {marker} names none)")
+            + ", not of " + ", ".join(f"{k} {v!r}" for k, v in owner.items())
+            + ": nothing was changed; write each run's output into its own folder"
+        )
     if not {p.name for p in dest.iterdir()} <= set(own_names):
         raise PipelineError(
             f"{dest} exists and was not written by this command (no {marker} inside): "
@@ -397,22 +418,23 @@ def check_replaceable(dest: Path, marker: str, own_names: Collection[str] = ()) 
 
 
 @contextlib.contextmanager
-def replacing_dir(dest: Path, marker: str, own_names: Collection[str] = ()) -> Iterator[Path]:
+def replacing_dir(dest: Path, marker: str, own_names: Collection[str] = (),
+                  owner: Mapping[str, Any] | None = None) -> Iterator[Path]:
     """Build a folder beside ``dest`` and put it in place atomically when the block succeeds.
 
     The block writes into the yielded folder, ``marker`` included. ``dest`` may be absent or
     hold ``marker`` (written by the same command before); anything else is refused before the
-    block runs (``own_names``: see :func:`check_replaceable`). The old folder is swapped out in one step (renameat2 RENAME_EXCHANGE where the
+    block runs (``own_names``, ``owner``: see :func:`check_replaceable`). The old folder is swapped out in one step (renameat2 RENAME_EXCHANGE where the
     kernel has it, else rename aside then in) and removed; on failure nothing at ``dest``
     changes and the half-built folder is removed."""
     dest = Path(dest)
-    check_replaceable(dest, marker, own_names)
+    check_replaceable(dest, marker, own_names, owner)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
         assert (tmp / marker).is_file(), f"{marker} was not written into {tmp}"
-        check_replaceable(dest, marker, own_names)  # again: it may have appeared meanwhile
+        check_replaceable(dest, marker, own_names, owner)  # again: it may have appeared meanwhile
         if dest.exists() and _exchange(tmp, dest):
             shutil.rmtree(tmp)  # tmp now holds the old folder
         elif dest.exists():

@@ -186,7 +186,9 @@ def consolidate(
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     cap = parse_size(max_shard_size)
-    af.check_replaceable(out, af.HF_PROVENANCE)  # before any work: never clobber a stranger
+    run = load_run_config(run_dir / af.RUN_CONFIG)
+    # Before any work: never clobber a stranger, nor another run's hf/ (same marker, its run).
+    af.check_replaceable(out, af.HF_PROVENANCE, owner={"run": run.name})
     done = af.read_train_done(run_dir)
     name = done.get("checkpoint")
     if not isinstance(name, str) or not af.STEP_RE.match(name):
@@ -203,7 +205,31 @@ def consolidate(
     why = ck.verify(ckpt)
     if why is not None:
         raise PipelineError(f"checkpoint {ckpt} does not verify: {why}")
+    _check_same_run(ckpt, run_dir, data_dir, run)
     return _consolidate(ckpt, run_dir, data_dir, out, dtype=dtype, cap=cap)
+
+
+def _check_same_run(ckpt: Path, run_dir: Path, data_dir: Path, run: Any) -> None:
+    """The checkpoint was trained by this run, on this data: its manifest's config and data
+    hashes are the trainer's for ``run_dir``'s config and ``data_dir``'s manifest (a checkpoint
+    copied from another run or another config would consolidate into the wrong model)."""
+    meta = af.read_artifact(ckpt / ck.MANIFEST, "checkpoint manifest")
+    want = ck.config_hash(run)
+    if meta.get("config_hash") != want:
+        raise PipelineError(
+            f"checkpoint {ckpt} was trained with another config (config hash "
+            f"{str(meta.get('config_hash'))[:12]}) than {run_dir / af.RUN_CONFIG} "
+            f"({want[:12]}): it belongs to another run; consolidate that run, or move it out of "
+            f"{run_dir / af.CHECKPOINTS}"
+        )
+    data = sha256_file(data_dir / af.DATA_MANIFEST) if (data_dir / af.DATA_MANIFEST).is_file() \
+        else None
+    if data is not None and meta.get("data_manifest_sha256") != data:
+        raise PipelineError(
+            f"checkpoint {ckpt} was trained on another tokenized dataset than --data-dir "
+            f"{data_dir} (data manifest {str(meta.get('data_manifest_sha256'))[:12]}, here "
+            f"{data[:12]}): pass the data directory the run was trained on"
+        )
 
 
 def _expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str], str]:
@@ -267,7 +293,7 @@ def _consolidate(ckpt: Path, run_dir: Path, data_dir: Path, out: Path, *, dtype:
         k: DTYPES[dtype] if source.tensors[k].dtype.is_floating_point else source.tensors[k].dtype
         for k in expected
     }
-    with af.replacing_dir(out, af.HF_PROVENANCE) as tmp:
+    with af.replacing_dir(out, af.HF_PROVENANCE, owner={"run": run.name}) as tmp:
         write_safetensors(
             tmp,
             _converted(source.read(list(expected)), out_dtypes,
@@ -284,7 +310,9 @@ def _consolidate(ckpt: Path, run_dir: Path, data_dir: Path, out: Path, *, dtype:
         write_json_atomic(
             tmp / af.HF_PROVENANCE,
             {"run": run.name, "step": meta["step"], "checkpoint": ckpt.name,
-             "checkpoint_manifest_sha256": sha256_file(ckpt / ck.MANIFEST), "dtype": dtype},
+             "checkpoint_manifest_sha256": sha256_file(ckpt / ck.MANIFEST), "dtype": dtype,
+             "config_hash": meta.get("config_hash"),
+             "data_manifest_sha256": meta.get("data_manifest_sha256")},
         )
     return out
 

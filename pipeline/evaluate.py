@@ -251,6 +251,7 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
                             "valid step or checkpoint_manifest_sha256; run consolidate again")
     if not run_dir.is_dir():
         raise PipelineError(f"--run-dir {run_dir} is not a folder: name results/runs/NAME")
+    name = _check_same_run(model_dir, run_dir, origin)
     if lm_eval_tasks is not None and not lm_eval_tasks.is_dir():
         raise PipelineError(f"--lm-eval-tasks {lm_eval_tasks} is not a folder of task YAMLs")
     if lm_eval_names and lm_eval_tasks is None:
@@ -259,10 +260,38 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
     # the new folder is swapped in): `--out .` or `--out results/runs/NAME` is refused here,
     # before any work.
     try:
-        af.check_replaceable(out, af.EVAL_MARKER, EVAL_FILES)
+        af.check_replaceable(out, af.EVAL_MARKER, EVAL_FILES, owner={"run": name})
     except PipelineError as err:
         raise PipelineError(f"--out {err}") from None
-    return origin
+    return {**origin, "run": name}
+
+
+def _check_same_run(model_dir: Path, run_dir: Path, origin: dict[str, Any]) -> str:
+    """The run's name; the model was consolidated from this run's checkpoints with this run's
+    config (the consolidation record names the run and, from consolidations that record it,
+    the checkpoint's config hash)."""
+    config = af.read_json_or_none(run_dir / af.RUN_CONFIG)
+    name = config.get("name") if isinstance(config, dict) else None
+    name = name if isinstance(name, str) else run_dir.name
+    theirs = origin.get("run")
+    if isinstance(theirs, str) and theirs != name:
+        raise PipelineError(
+            f"--model {model_dir} was consolidated from run {theirs!r}, not from --run-dir "
+            f"{run_dir} (run {name!r}): evaluate each model with its own run directory"
+        )
+    chash = origin.get("config_hash")
+    if chash is not None:
+        from pipeline.checkpoint.format import config_hash
+        from pipeline.config.files import load_run_config
+
+        ours = config_hash(load_run_config(run_dir / af.RUN_CONFIG))
+        if chash != ours:
+            raise PipelineError(
+                f"--model {model_dir} was trained with another config than "
+                f"{run_dir / af.RUN_CONFIG} (config hash {str(chash)[:12]}, here {ours[:12]}): "
+                "its checkpoint came from another run; consolidate this run's own checkpoint"
+            )
+    return name
 
 
 def _check_same_tokenizer(model_dir: Path, data_dir: Path, tok: dict[str, Any]) -> None:
@@ -368,7 +397,7 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
         )
     result = perplexity(model, seqs, token_byte_lengths(tokenizer))
     samples = generate_samples(model, tokenizer)
-    with af.replacing_dir(out, af.EVAL_MARKER, EVAL_FILES) as tmp:
+    with af.replacing_dir(out, af.EVAL_MARKER, EVAL_FILES, owner={"run": origin["run"]}) as tmp:
         harness = run_lm_eval(model, tokenizer, continuation_items(tokenizer, seqs),
                               tmp / "lm_eval", lm_eval_tasks, lm_eval_names)
         if "skipped" in harness:
@@ -388,7 +417,8 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
         plot_training(records, tmp / "loss.png", result["loss"])
         write_text_atomic(tmp / "report.md",
                           _report(run_dir.name, metrics, records, goodput(run_dir)))
-        (tmp / af.EVAL_MARKER).write_text(json.dumps({"written_by": "evaluate"}) + "\n")
+        (tmp / af.EVAL_MARKER).write_text(
+            json.dumps({"written_by": "evaluate", "run": origin["run"]}) + "\n")
     log_to_trackers(run_dir, metrics)
     return metrics
 

@@ -33,6 +33,11 @@ def test_the_newest_checkpoint_that_verifies_is_chosen(tmp_path):
     (ck.step_dir(root, 9) / "weights.bin").write_bytes(b"torn")  # a truncated file
     ck.tmp_dir(root, 12).mkdir()  # a save that never finished
     assert ck.resume_point(root, "cfg", "data") == (6, ck.step_dir(root, 6))
+    # The damaged one is moved aside, whole, never deleted; no reader takes it any more.
+    (aside,) = ck.damaged_aside(root)
+    assert aside.name.startswith("step-000009.damaged-")
+    assert (aside / "weights.bin").read_bytes() == b"torn"
+    assert [s for s, _ in checkpoint_steps(root)] == [3, 6]
 
 
 def test_checkpoints_over_other_data_are_an_error(tmp_path):
@@ -50,6 +55,58 @@ def test_checkpoints_of_another_config_are_moved_aside(tmp_path):
     assert not root.exists()
     aside = tmp_path / "checkpoints.old-0123456789ab"
     assert [s for s, _ in checkpoint_steps(aside)] == [3]
+
+
+def test_a_second_config_change_keeps_the_first_moved_aside(tmp_path):
+    root = tmp_path / "checkpoints"
+    for _ in range(2):
+        save(root, 3, chash="0123456789abcdef")
+        assert ck.resume_point(root, "other", "data") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoints.old-0123456789ab", "checkpoints.old-0123456789ab-2"]
+
+
+def test_saving_a_step_again_moves_the_old_folder_aside(tmp_path):
+    """A folder of the step being saved that resume did not take (damaged; a person's file
+    inside) is moved aside, never deleted; a link in its place is moved, its target kept."""
+    root = tmp_path / "checkpoints"
+    save(root, 3)
+    (ck.step_dir(root, 3) / "notes.txt").write_text("mine")
+    save(root, 3)
+    (aside,) = ck.damaged_aside(root)
+    assert (aside / "notes.txt").read_text() == "mine"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    ck.step_dir(root, 6).symlink_to(elsewhere, target_is_directory=True)
+    assert save(root, 6) == ck.step_dir(root, 6)  # saving that step succeeds
+    assert not ck.step_dir(root, 6).is_symlink()
+    assert (elsewhere / "keep.txt").read_text() == "keep"
+    assert any(p.is_symlink() for p in ck.damaged_aside(root))
+
+
+def test_prune_deletes_only_what_the_trainer_wrote(tmp_path):
+    root = tmp_path / "checkpoints"
+    save(root, 1)
+    save(root, 2)
+    (ck.step_dir(root, 1) / "thesis.tex").write_text("years of work")
+    for step in (3, 4):
+        save(root, step, keep=2)
+    assert [s for s, _ in checkpoint_steps(root)] == [3, 4]
+    assert not ck.step_dir(root, 2).exists()  # the trainer's own: removed
+    (aside,) = ck.damaged_aside(root)
+    assert (aside / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_linked_tmp_folder_is_unlinked_not_followed(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "data").write_text("x")
+    ck.tmp_dir(root, 5).symlink_to(target, target_is_directory=True)
+    ck.clean_tmp(root)
+    assert not ck.tmp_dir(root, 5).is_symlink() and (target / "data").read_text() == "x"
 
 
 def test_finalize_prunes_to_keep_last(tmp_path):

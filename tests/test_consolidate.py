@@ -257,6 +257,7 @@ def synthetic_run(root: Path, data_dir: Path, *, hidden: int, inter: int, layers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline.checkpoint import format as ck
+    from pipeline.config.files import load_run_config
     from pipeline.io import read_json, sha256_file, write_json_atomic
 
     cfg = dict(BASE, runs={"big": {}})
@@ -279,6 +280,7 @@ def synthetic_run(root: Path, data_dir: Path, *, hidden: int, inter: int, layers
     dcp.save({"model": state}, checkpoint_id=str(ck.tmp_dir(run / "checkpoints", 1) / "dcp"), no_dist=True)
     del model, state
     ck.finalize(run / "checkpoints", 1, {"backend": "fsdp", "world_size": 1,
+                                         "config_hash": ck.config_hash(load_run_config(run / "config.json")),
                                          "data_manifest_sha256": sha256_file(data_dir / "manifest.json")}, 1)
     write_json_atomic(run / "train.done", {"step": 1, "checkpoint": "step-000001"})
     return run, sum(sizes), max(sizes)

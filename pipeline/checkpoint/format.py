@@ -204,17 +204,43 @@ def verify(path: Path, *, contents: bool = True) -> str | None:
     return None
 
 
+#: What a checkpoint folder that failed verification is renamed to (never deleted: a person
+#: looks at it; the name no longer matches ``step-NNNNNN``, so no reader takes it).
+DAMAGED = ".damaged-"
+
+
+def move_aside(path: Path, why: str) -> Path:
+    """Rename a damaged checkpoint folder (or a link in its place: the link, not its target)
+    to ``step-NNNNNN.damaged-<UTC time>`` beside it; returns the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = path.with_name(f"{path.name}{DAMAGED}{stamp}")
+    n = 1
+    while dest.exists() or dest.is_symlink():
+        n += 1
+        dest = path.with_name(f"{path.name}{DAMAGED}{stamp}-{n}")
+    os.replace(path, dest)
+    log.warning("checkpoint %s does not verify (%s): moved aside to %s", path, why, dest.name)
+    return dest
+
+
+def damaged_aside(root: Path) -> list[Path]:
+    """The folders :func:`move_aside` left in ``root``, oldest step first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if DAMAGED in p.name and p.name.startswith("step-"))
+
+
 def latest_valid(root: Path, *, contents: bool = True,
                  skip: frozenset[Path] = frozenset()) -> tuple[int, Path] | None:
     """The newest checkpoint whose manifest verifies (``contents``: :func:`verify`'s), other
-    than those in ``skip``; broken ones are skipped with a warning."""
+    than those in ``skip``; broken ones are moved aside (:func:`move_aside`)."""
     for step, path in reversed(checkpoint_steps(root)):
         if path in skip:
             continue
         why = verify(path, contents=contents)
         if why is None:
             return step, path
-        log.warning("skipping checkpoint %s: %s", path, why)
+        move_aside(path, why)
     return None
 
 
@@ -243,8 +269,10 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
     files = dict(sorted(files.items()))
     write_json_atomic(tmp / MANIFEST, {**meta, "step": step, "files": files, "time": time.time()})
     final = step_dir(root, step)
-    if final.exists():  # a checkpoint of the same step from an attempt that died after renaming
-        shutil.rmtree(final)
+    if final.exists() or final.is_symlink():
+        # A folder of this step that resume did not take: it failed verification, or it is not
+        # a folder of ours (a link). A person looks at it; nothing of it is deleted.
+        move_aside(final, "a folder of the same step is being saved")
     os.replace(tmp, final)
     fsync_dir(root)
     prune(root, keep_last)
@@ -252,9 +280,15 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep_last: int,
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove all but the newest ``keep_last`` checkpoints; returns the removed folders."""
+    """Remove all but the newest ``keep_last`` checkpoints; returns the removed folders. Only
+    a folder that verifies (its manifest lists exactly what is there: the trainer wrote it) is
+    deleted; anything else (a link, a folder with a file of someone's) is moved aside."""
     old = [path for _, path in checkpoint_steps(root)[:-keep_last]] if keep_last > 0 else []
     for path in old:
+        why = verify(path, contents=False)
+        if why is not None:
+            move_aside(path, why)
+            continue
         shutil.rmtree(path, ignore_errors=True)
         # DeepSpeed's universal conversion of it (pipeline.checkpoint.universal), if any.
         shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)
@@ -265,7 +299,10 @@ def clean_tmp(root: Path) -> None:
     """Remove half-written checkpoint folders left by a killed attempt (rank 0, at start)."""
     if root.is_dir():
         for p in root.glob(".tmp-step-*"):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_symlink() or not p.is_dir():
+                p.unlink()  # the link only: a rank must never write through it
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 # RNG state is saved as tensors and plain containers so that it loads with weights_only=True.
@@ -410,9 +447,11 @@ def resume_point(root: Path, chash: str, data_hash: str, *, contents: bool = Tru
         if not re.fullmatch(r"[0-9A-Za-z_-]+", tag):  # a name made from data stays one name
             tag = "unknown"
         dest = root.with_name(f"{CHECKPOINTS}.old-{tag}")
+        n = 1
+        while dest.exists() or dest.is_symlink():  # an earlier move of the same config stays
+            n += 1
+            dest = root.with_name(f"{CHECKPOINTS}.old-{tag}-{n}")
         log.warning("config changed since %s: moving old checkpoints to %s", found[1], dest)
-        if dest.exists():
-            shutil.rmtree(dest)
         os.replace(root, dest)
         return None
     return found

@@ -17,8 +17,10 @@ from pipeline.checkpoint.format import (
     TrainerState,
     clean_tmp,
     config_hash,
+    damaged_aside,
     finalize,
     load_rng,
+    move_aside,
     prune,
     resume_point,
     save_rng,
@@ -95,7 +97,11 @@ class CheckpointManager:
         return self._choose()
 
     def _choose(self) -> Path | None:
-        """Collective: :meth:`resume`'s choice among the checkpoints not in ``_skipped``."""
+        """Collective: :meth:`resume`'s choice among the checkpoints not in ``_skipped``. A
+        checkpoint that fails is moved aside by rank 0 (never deleted); when folders were
+        moved aside and none is left to resume from, every rank raises the same
+        :class:`~pipeline.errors.PipelineError` naming them (a silent start from step 0 would
+        throw the run's progress away unnoticed)."""
         import torch.distributed as dist
 
         from pipeline.checkpoint.read import verify_collective
@@ -103,12 +109,19 @@ class CheckpointManager:
         self._verified = None
         skip = self._skipped
         while True:
-            found = None
+            box: list[Any] = [None]
             if self.rank == 0:
-                found = resume_point(self.root, self.config_hash, self.data_hash,
-                                     contents=False, skip=frozenset(skip))
-            box = [None if found is None else str(found[1])]
+                try:
+                    found = resume_point(self.root, self.config_hash, self.data_hash,
+                                         contents=False, skip=frozenset(skip))
+                    box = [None if found is None else str(found[1])]
+                    if found is None and damaged_aside(self.root):
+                        box = [("error", self._none_left())]
+                except PipelineError as err:  # every rank stops with it, none waits
+                    box = [("error", str(err))]
             dist.broadcast_object_list(box, src=0)
+            if isinstance(box[0], tuple):
+                raise PipelineError(box[0][1])
             if box[0] is None:
                 return None
             path = Path(box[0])
@@ -117,8 +130,16 @@ class CheckpointManager:
                 self._verified = verified
                 return path
             if self.rank == 0:
-                log.warning("skipping checkpoint %s: %s", path, why)
+                move_aside(path, why)
+            dist.barrier()  # moved before rank 0 lists the folders again
             skip.add(path)
+
+    def _none_left(self) -> str:
+        aside = damaged_aside(self.root)
+        shown = ", ".join(p.name for p in aside[-5:]) + (" ..." if len(aside) > 5 else "")
+        return (f"no checkpoint in {self.root} verifies: {len(aside)} damaged folder(s) moved "
+                f"aside there ({shown}); inspect them (the job log says why each failed), then "
+                "move or delete them and start the stage again to train from step 0")
 
     def load(self, path: Path, engine: Any, loader: Any) -> TrainerState:
         """Restore the engine, the loader and (same world size only) this rank's RNG from
@@ -142,14 +163,14 @@ class CheckpointManager:
                 return state
             except CheckpointDamaged as err:
                 if self.rank == 0:
-                    log.warning("skipping checkpoint %s: %s", path, err)
+                    move_aside(path, str(err))
                 self._skipped.add(path)
                 older = self._choose()
                 if older is None:
                     raise PipelineError(
                         f"{err}. No older checkpoint of this run verifies, and the engine had "
-                        f"already loaded part of this one: move {path} out of {self.root} (it "
-                        "stays for inspection) and start the stage again to train from step 0"
+                        f"already loaded part of this one (moved aside in {self.root} for "
+                        "inspection): start the stage again to train from step 0"
                     ) from None
                 path = older
 

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 from pipeline.artifacts import EXIT_USAGE
+from pipeline.cluster.env import ATTEMPT_ENV
 from pipeline.errors import PipelineError
+from pipeline.train.rank_error import write_rank_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,4 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.run_dir, args.data_dir)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
+        # For the launcher: torchrun reports only that a rank failed.
+        write_rank_error(args.run_dir, os.environ.get(ATTEMPT_ENV, ""),
+                         int(os.environ.get("RANK", "0")), str(err))
         return EXIT_USAGE

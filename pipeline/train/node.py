@@ -64,6 +64,7 @@ from pipeline.cluster.env import (
 from pipeline.cluster.options import LaunchOptions
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic
+from pipeline.train.rank_error import rank_error
 from pipeline.train.watchdog import Limits, Stale, Watch, kill_tree
 
 log = logging.getLogger("pipeline.train.node")
@@ -236,6 +237,9 @@ class NodeTask(submitit.helpers.Checkpointable):
     def _failure_text(self, rc: int, host: str) -> str:
         if self._hung:
             return "hang: " + "; ".join(s.describe() for s in self._hung)
+        said = rank_error(Path(self.run_dir), self._attempt or "")
+        if said is not None:
+            return f"{said} (torchrun exited with status {rc} on {host})"
         return f"torchrun exited with status {rc} on {host}; see the rank logs above"
 
     # -- the watchdog --------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from pipeline.errors import PipelineError
 from pipeline.observe.goodput import measured_save_seconds as measured_save_seconds  # re-exported
 from pipeline.observe.goodput import save_time_warning
 from pipeline.train.node import NodeTask, local_gpu_env
+from pipeline.train.rank_error import rank_error
 
 log = logging.getLogger("pipeline.train.launch")
 
@@ -259,6 +260,9 @@ def _ended(run_dir: Path, rec: dict[str, Any], state: str) -> dict[str, Any]:
             f"training job {job_id} stopped on request (STOP file) at checkpoint {ckpt}; "
             "run the workflow again to continue"
         )
+    said = rank_error(run_dir, f"{job_id}.")
+    if said is not None:
+        raise PipelineError(f"training job {job_id} ended {state}: {said}")
     raise PipelineError(
         f"training job {job_id} ended {state} without train.done (last checkpoint: "
         f"{ckpt}; rerun to resume from it)\n{_stderr_tail(rec)}"
@@ -388,6 +392,9 @@ def launch_local(run_dir: Path, data_dir: Path, run: Any, opts: LaunchOptions) -
     except Exception as err:  # submitit wraps the task's exception with its traceback
         if (run_dir / TRAIN_DONE).exists():  # the time-limit warning came at the last step
             return read_train_done(run_dir)
+        said = rank_error(run_dir, f"{job.job_id}.")
+        if said is not None:  # a rank refused something: its one line, not the traceback
+            raise PipelineError(f"training job {job.job_id} failed: {said}") from None
         raise PipelineError(f"training job {job.job_id} failed:\n{err}") from None
     if not (run_dir / TRAIN_DONE).exists():
         raise PipelineError(f"training job {job.job_id} ended without train.done: {result}")

@@ -1,4 +1,4 @@
-"""Bad and hostile checkpoints (issue 12, "untrusted bytes are data"): consolidate and a resume.
+"""Bad and hostile checkpoints ("untrusted bytes are data"): consolidate and a resume.
 
 One FSDP2 run and one DeepSpeed ZeRO-2 run of the tiny model are trained once for the module
 (one process each, 4 steps, checkpoints at steps 2 and 4), on the tokenized sample of
@@ -402,8 +402,62 @@ def test_a_planted_payload_that_does_not_verify_is_skipped_on_resume(trained, da
     res = resume(run_dir, data_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback (most recent call last)" not in res.stderr
-    assert "dcp/.metadata" in res.stderr and "skipping checkpoint" in res.stderr
+    assert "dcp/.metadata" in res.stderr and "moved aside" in res.stderr
     assert not marker.exists(), "the planted pickle ran"
+    # Moved aside whole (the planted file inside), never deleted; step 4 was saved again.
+    (aside,) = [p for p in (run_dir / "checkpoints").iterdir() if ".damaged-" in p.name]
+    assert aside.name.startswith(ckpt.name) and (aside / "dcp" / ".metadata").is_file()
+    assert (ckpt / "manifest.json").is_file()
     starts = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
               if '"start"' in x]
     assert starts[-1]["resumed_from"] == STEPS - 2
+
+
+def test_a_resume_with_every_checkpoint_damaged_stops_naming_them(trained, data_dir, tmp_path):  # noqa: F811
+    """No silent restart from step 0: every folder is moved aside (contents kept) and the
+    worker stops with one line naming them; nothing is trained."""
+    run_dir, _ = copy_run(trained, "ds", tmp_path)
+    (run_dir / "train.done").unlink()
+    steps = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert len(steps) == 2
+    for step in steps:  # one torn file each, of another kind per folder
+        victim = sorted(f for f in step.rglob("*") if f.is_file() and f.name != "manifest.json")
+        victim[len(victim) // 2].write_bytes(b"torn")
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    res = resume(run_dir, data_dir)
+    assert_refused(res, "no checkpoint in", "moved aside", steps[-1].name + ".damaged-")
+    aside = sorted(p.name.split(".")[0] for p in (run_dir / "checkpoints").iterdir())
+    assert aside == [s.name for s in steps]  # both still there, under their new names
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no step trained
+
+
+def test_a_linked_step_folder_does_not_stop_the_run(trained, data_dir, tmp_path):  # noqa: F811
+    """The newest step folder is a link to a folder elsewhere: the resume moves the link aside
+    (the target untouched), resumes from the previous step, and saves that step again: the
+    run finishes instead of failing each save until its failure budget is spent."""
+    run_dir, ckpt = copy_run(trained, "fsdp", tmp_path)
+    (run_dir / "train.done").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(ckpt, elsewhere)
+    ckpt.symlink_to(elsewhere, target_is_directory=True)
+    target = snapshot(elsewhere)
+    res = resume(run_dir, data_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run_dir / "train.done").exists()
+    assert ckpt.is_dir() and not ckpt.is_symlink() and (ckpt / "manifest.json").is_file()
+    assert snapshot(elsewhere) == target
+    assert any(p.is_symlink() for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_the_launcher_ends_with_the_ranks_refusal(trained, data_dir, tmp_path):  # noqa: F811
+    """Through the real launcher (submitit's local executor, torchrun): a rank's refusal is
+    the launcher's one line, not torchrun's wrapper around the rank's traceback."""
+    run_dir, ckpt = copy_run(trained, "fsdp", tmp_path)
+    (run_dir / "train.done").unlink()
+    needle = _trainer_state(ckpt, tmp_path / "unused")
+    rewrite_manifest(ckpt)
+    res = run(["-m", "pipeline.train", "launch", "--run-dir", str(run_dir), "--data-dir",
+               str(data_dir), "--launcher", "local", "--max-failures=0"], tmp_path, timeout=600)
+    assert_refused(res, needle, "rank 0")
+    last = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert last and needle in last[-1] and "see the rank logs above" not in last[-1]
