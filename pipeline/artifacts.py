@@ -33,6 +33,12 @@ EXIT_USAGE = 2
 EXIT_REQUEUE = 75
 
 # --- the data directory (tokenize → render, train, consolidate, evaluate) ---------------------
+#: The largest sequence and vocabulary a data manifest may claim: a number read from a file
+#: sizes the model and the loader's buffers, so it is bounded before anything is built. The
+#: config's ``data.seq_len`` and ``data.tokenizer.vocab_size`` share these
+#: (``pipeline.config.types`` imports them: the manifest's reader sits below the config).
+MAX_SEQ_LEN = 1 << 20
+MAX_VOCAB_SIZE = 1 << 20
 DATA_MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SHARDS_DIR = "shards"
@@ -315,6 +321,15 @@ def check_data_manifest(m: dict[str, Any], path: Path) -> None:
     need(isinstance(tok, dict), "tokenizer")
     need(isinstance(tok.get("path"), str), "tokenizer.path")
     need(_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size")
+    # In range, or the planner would size a model for it and blame the GPU's memory.
+    for what, value, limit in (("sequence length (seq_len)", m["seq_len"], MAX_SEQ_LEN),
+                               ("vocabulary (tokenizer.vocab_size)", tok["vocab_size"],
+                                MAX_VOCAB_SIZE)):
+        if value > limit:
+            raise PipelineError(f"{path}: the data manifest's {what} is {value:,}, more than "
+                                f"the {limit:,} the pipeline allows: the manifest was edited or "
+                                "is not the tokenize stage's; tokenize again (python -m "
+                                "pipeline.tokenize gather)")
     for key in ("eos_id", "bos_id"):
         v = tok.get(key)
         ok = (_int(v) and v < tok["vocab_size"]) or (key == "bos_id" and v is None)

@@ -9,6 +9,10 @@ in the run dir is spelled in ``pipeline.artifacts``.
 Exit codes (``pipeline.artifacts``): ``EXIT_OK`` finished (``train.done`` written);
 ``EXIT_REQUEUE`` stopped on request after a complete checkpoint (the launcher requeues);
 anything else failed.
+
+Fault injection for tests: ``ZEROSNAKE_FAULT_NAN_AT_STEP=N`` makes step N's loss read as NaN
+(a diverging run on demand: ``train.lr`` is at most 1, and no legal rate diverges at a known
+step).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims, report
 from pipeline.train.recorder import Recorder
 
 log = logging.getLogger("pipeline.train")
+
+NAN_AT_STEP_ENV = "ZEROSNAKE_FAULT_NAN_AT_STEP"
 
 
 class StopRequest:
@@ -276,6 +282,8 @@ class Trainer:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         mean_loss = loss.item() / self.dims.dp
         state.step += 1
+        if os.environ.get(NAN_AT_STEP_ENV) == str(state.step):
+            mean_loss = math.nan
         state.tokens_seen += self.tokens_per_step
         dt = time.perf_counter() - t0
         if not math.isfinite(mean_loss):
