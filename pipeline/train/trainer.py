@@ -40,6 +40,7 @@ from pipeline.artifacts import (
     RUN_CONFIG,
     STOP,
     STOPPED,
+    read_artifact,
     write_train_done,
 )
 from pipeline.checkpoint import format as ck
@@ -48,7 +49,7 @@ from pipeline.cluster.env import ATTEMPT_ENV, RankEnv
 from pipeline.config.files import load_run_config
 from pipeline.config.schema import RunConfig
 from pipeline.errors import PipelineError
-from pipeline.io import read_json, sha256_file, write_json_atomic
+from pipeline.io import sha256_file, write_json_atomic
 from pipeline.model.build import build_model, device_peak_flops, model_flops_per_token
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims, reports_loss
 from pipeline.train.recorder import Recorder
@@ -231,7 +232,9 @@ class Trainer:
             from pipeline.train.engines import DeepSpeedEngine
 
             # DeepSpeed builds its own groups (it takes sizes, not a DeviceMesh): pure DP here.
-            return DeepSpeedEngine(model, self.run, read_json(self.run_dir / DS_CONFIG))
+            ds_config = read_artifact(self.run_dir / DS_CONFIG, "DeepSpeed config",
+                                      hint="render the run again")
+            return DeepSpeedEngine(model, self.run, ds_config)
         if t.backend == "ddp":
             from pipeline.train.ddp import DDPEngine
 
