@@ -2,7 +2,13 @@
 tampered shards, corrupt shard stats files, torn metrics lines, malformed consolidation records
 and model folders, malformed run directories. A stage refuses each with one line naming the
 file (and the key), no traceback and nothing changed; evaluate finishes over a torn
-metrics.jsonl, and status shows every other run when one is malformed."""
+metrics.jsonl, and status shows every other run when one is malformed. A manifest's numbers
+are bounded: a vocabulary or sequence length past the pipeline's limit is the manifest's fault,
+never the GPU memory's.
+
+Cases: 15 data manifests (2 of them claiming sizes of 10^12), 2 shards, 6 shard stats files
+(gather), 6 metrics files and model folders (evaluate), 3 run directories (status); the run
+files read by report, status and a resume are tests/bad_input/test_run_file_inputs.py's."""
 
 from __future__ import annotations
 

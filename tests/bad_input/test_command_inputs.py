@@ -2,7 +2,14 @@
 point at a folder the command did not write (``.``, ``/``, a run or data directory, a file),
 inputs that do not exist, out-of-range numbers and hostile strings. Each is refused with one
 line naming the option or the path, no traceback, and every file around it unchanged: a
-command writes a folder only when it is new, empty, or one it wrote before."""
+command writes a folder only when it is new, empty, or one it wrote before. Every size and
+count a command takes is bounded as its options are parsed, before any work (an option that
+mirrors a config key names the key and holds its limits).
+
+Cases: 40 output paths, missing inputs and out-of-range options, stage by stage (tokenize 11,
+tokenizer 8, render 8, evaluate 9; status, train launch and consolidate 4); 20 sizes and
+counts past their limits (19 options of tokenize, tokenizer, plan and render; a model file's).
+"""
 
 from __future__ import annotations
 
