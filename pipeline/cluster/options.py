@@ -69,11 +69,19 @@ def parse_sbatch_extra(items: list[str] | str) -> list[str]:
 
 def _meta(*, resource: str | None = None, choices: tuple[str, ...] = (),
           repeat: Callable[[list[str]], Any] | None = None,
-          metavar: str | None = None) -> dict[str, Any]:
+          metavar: str | None = None, bounds: tuple[float, float] | None = None) -> dict[str, Any]:
     """What the CLI and the rule need to know about a field. ``resource``: its name among the
     train rule's resources (None: not a resource); ``repeat``: a repeatable flag, whose
-    strings this function turns into the value."""
-    return {"resource": resource, "choices": choices, "repeat": repeat, "metavar": metavar}
+    strings this function turns into the value; ``bounds``: a number's range (every count and
+    duration has one: the launcher sleeps, waits and retries by them)."""
+    return {"resource": resource, "choices": choices, "repeat": repeat, "metavar": metavar,
+            "bounds": bounds}
+
+
+#: A year in minutes and in seconds; retries a person would never wait for.
+_MAX_MIN = 525_600
+_MAX_S = 60 * _MAX_MIN
+_MAX_RETRIES = 100_000
 
 
 def _opt(default: Any = None, **meta: Any) -> Any:
@@ -99,34 +107,34 @@ class LaunchOptions:
     exclude: str | None = _opt(resource="slurm_exclude")
     """Nodes not to use, comma-separated; a node that fails the rendezvous is added to the
     job's list automatically."""
-    time_min: int = _opt(60, resource="runtime")
+    time_min: int = _opt(60, resource="runtime", bounds=(1, _MAX_MIN))
     """Time limit of one job attempt, minutes; requeues continue the run."""
-    cpus_per_task: int = _opt(2, resource="cpus_per_task")
+    cpus_per_task: int = _opt(2, resource="cpus_per_task", bounds=(1, 100_000))
     """CPUs per node task (one task per node runs torchrun and its ranks)."""
-    mem_gb: float | None = _opt(None, resource="slurm_mem_gb")
+    mem_gb: float | None = _opt(None, resource="slurm_mem_gb", bounds=(0, 1_000_000))
     """Memory per node in GB (0 or empty: the partition's default)."""
-    signal_delay_s: int = _opt(90, resource="signal_delay_s")
+    signal_delay_s: int = _opt(90, resource="signal_delay_s", bounds=(0, _MAX_S))
     """Seconds before the time limit when USR2 asks the job to stop, save and requeue; keep it
     above the checkpoint save time (the launcher warns if not) plus ~30 s."""
-    max_requeues: int = _opt(3, resource="max_requeues")
+    max_requeues: int = _opt(3, resource="max_requeues", bounds=(0, _MAX_RETRIES))
     """Requeues after a time-limit warning before giving up."""
-    max_preemptions: int = _opt(10, resource="max_preemptions")
+    max_preemptions: int = _opt(10, resource="max_preemptions", bounds=(0, _MAX_RETRIES))
     """Requeues after a preemption (a signal well before the limit) before giving up."""
-    max_failures: int = _opt(2, resource="max_failures")
+    max_failures: int = _opt(2, resource="max_failures", bounds=(0, _MAX_RETRIES))
     """Requeues after a rank or node failure, from the last complete checkpoint."""
-    hang_timeout_s: int = _opt(300, resource="hang_timeout_s")
+    hang_timeout_s: int = _opt(300, resource="hang_timeout_s", bounds=(0, _MAX_S))
     """Seconds a rank may go without finishing a step before the job's node task declares it
     hung (frozen, stuck in a collective), names it, kills the ranks (SIGKILL) and retries from
     the last checkpoint within max_failures; 0 turns the watchdog off. Keep it above the
     slowest step and well under the time limit."""
-    hang_startup_s: int = _opt(900, resource="hang_startup_s")
+    hang_startup_s: int = _opt(900, resource="hang_startup_s", bounds=(0, _MAX_S))
     """The watchdog's allowance from torchrun's start to the end of the first step (process
     group, checkpoint load, the first step's warm-up)."""
-    hang_save_s: int = _opt(900, resource="hang_save_s")
+    hang_save_s: int = _opt(900, resource="hang_save_s", bounds=(0, _MAX_S))
     """The watchdog's allowance for a checkpoint save."""
     job_name: str = _opt("zerosnake")
     """Job name as Slurm shows it (the train rule passes ``zs-<run>``)."""
-    poll_s: float = _opt(5.0, resource="poll_s")
+    poll_s: float = _opt(5.0, resource="poll_s", bounds=(0.1, 3600))
     """Seconds between two squeue polls of the waiting launcher."""
     job_env: dict[str, str] = field(default_factory=dict, metadata=_meta(
         resource="job_env", repeat=parse_env, metavar="NAME=VALUE[,NAME=VALUE]"))
@@ -211,15 +219,25 @@ def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
         shown = "unset" if default is None else default
         parser.add_argument(
             flag_of(f.name), dest=f.name,
-            type=str if kind is str else _number(kind, optional=default is None),
+            type=str if kind is str else _number(kind, optional=default is None,
+                                                  bounds=meta["bounds"]),
             default=default, choices=meta["choices"] or None, metavar=meta["metavar"],
             help=f"{help_} (default: {shown})",
         )
 
 
-def _number(kind: type, *, optional: bool) -> Callable[[str], Any]:
+def _number(kind: type, *, optional: bool,
+            bounds: tuple[float, float] | None = None) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
-        return None if optional and text.strip() == "" else kind(text)
+        if optional and text.strip() == "":
+            return None
+        value = kind(text)
+        # 0 unsets an optional number (from_args); NaN fails the range test too.
+        if bounds is not None and not (optional and value == 0) \
+                and not bounds[0] <= value <= bounds[1]:
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: give a number from {bounds[0]:,} to {bounds[1]:,}")
+        return value
 
     convert.__name__ = kind.__name__  # argparse names the type in its error message
     return convert

@@ -7,8 +7,9 @@ count a command takes is bounded as its options are parsed, before any work (an 
 mirrors a config key names the key and holds its limits).
 
 Cases: 40 output paths, missing inputs and out-of-range options, stage by stage (tokenize 11,
-tokenizer 8, render 8, evaluate 9; status, train launch and consolidate 4); 20 sizes and
-counts past their limits (19 options of tokenize, tokenizer, plan and render; a model file's).
+tokenizer 8, render 8, evaluate 9; status, train launch and consolidate 4); 23 sizes, counts
+and durations past their limits (22 options of tokenize, tokenizer, plan, render and train
+launch; a model file's).
 """
 
 from __future__ import annotations
@@ -285,6 +286,7 @@ def test_consolidate_out_dot(proj: Path) -> None:
 
 _PLAN = ["-m", "pipeline.plan", "--model", "tiny"]
 _GATHER = ["-m", "pipeline.tokenize", "gather", "--out", DATA, "--tokenizer", TOK]
+_LAUNCH = ["-m", "pipeline.train", "launch", "--run-dir", RUN, "--data-dir", DATA]
 
 # (id, argv, needles): every count or size a command takes, past its limit (an option that
 # mirrors a config key names the key).
@@ -316,6 +318,9 @@ SIZES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("plan-params-nan", ["-m", "pipeline.plan", "--params", "nan"], ("--params nan",)),
     ("render-vocab-1e12", _render("results/runs/fsdp", "--vocab-size", str(10**12)),
      ("--vocab-size 1000000000000",)),
+    ("launch-poll-nan", [*_LAUNCH, "--poll-s", "nan"], ("--poll-s", "nan is out of range")),
+    ("launch-time-negative", [*_LAUNCH, "--time-min", "-5"], ("--time-min", "-5 is out of")),
+    ("launch-failures-1e12", [*_LAUNCH, "--max-failures", str(10**12)], ("--max-failures",)),
 ]
 
 
