@@ -5,8 +5,9 @@ file and the field (status shows the run anyway and warns); strings from the fil
 their control characters escaped, on the terminal and in report.html; and ``pipeline.report
 --out`` replaces only a page it wrote.
 
-Cases: 15 malformed run files (report 9, evaluate 3, a resume's trackers 1, status 2), 6
-hostile strings shown (status 3, report 3), 8 ``report --out`` targets (6 refused, 2 replaced).
+Cases: 16 malformed run files (report 9, evaluate 3, a resume's trackers and config 2, status
+2), a report over odd metrics and a math-text run name, 5 hostile strings shown (status 3,
+report 2), 8 ``report --out`` targets (6 refused, 2 replaced).
 """
 
 from __future__ import annotations
@@ -134,6 +135,17 @@ def test_a_resume_names_a_malformed_trackers_record(results: Path) -> None:
     with pytest.raises(PipelineError, match=r"trackers\.json.*'runs\.wandb\.name' is not a string"):
         Trackers.for_training(run_dir, ["tensorboard"], {}, "h", attempt=2)
     assert snapshot(results) == before
+
+
+def test_a_resume_names_a_mistyped_run_config(ws: Path, results: Path) -> None:
+    # The launcher and every rank read config.json through the typed parse (load_run_config).
+    run_dir = results / "runs" / "r"
+    _write(run_dir / "config.json", {"name": "r", "data": {"sources": [{"path": "x"}]},
+                                     "train": {"lr": "fast"}})
+    before = snapshot(results.parent)
+    res = run(["-m", "pipeline.train", "launch", "--run-dir", str(run_dir), "--data-dir",
+               str(ws / "data")], results.parent)
+    assert_refused(res, "config.json", "train.lr", before=before, roots=[results.parent])
 
 
 def test_status_shows_a_run_with_a_malformed_config_and_names_the_file(results: Path) -> None:
