@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import yaml
 
-from pipeline.config.schema import _SECTION, Config, RunConfig, SourceConfig, _validate
+from pipeline.config.schema import (
+    _SECTION,
+    Config,
+    RunConfig,
+    SourceConfig,
+    _validate,
+    model_base,
+)
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.text.sources import expand_paths
@@ -204,7 +211,9 @@ def merge_config(base: dict[str, Any], override: Any, *, where: str = "") -> dic
     """``override`` (one config file, or ``--config`` values) merged over ``base``, as the
     workflow merges config files: every section is deep-merged, except ``runs``, which an
     override that has it replaces as a whole (a user's batch of runs never inherits the
-    default's ``fsdp`` and ``deepspeed`` runs). Lists (``data.sources``) are replaced."""
+    default's ``fsdp`` and ``deepspeed`` runs). Lists (``data.sources``) are replaced. A
+    ``model.preset`` or ``model.init_from`` replaces the earlier model's shape
+    (:func:`~pipeline.config.schema.model_base`)."""
     if override is None:  # an empty file
         return copy.deepcopy(base)
     if not isinstance(override, dict):
@@ -212,6 +221,8 @@ def merge_config(base: dict[str, Any], override: Any, *, where: str = "") -> dic
                             f"must be a mapping (got {type(override).__name__})")
     if "runs" in override:
         base = {k: v for k, v in base.items() if k != "runs"}
+    if isinstance(base.get("model"), dict):
+        base = {**base, "model": model_base(base["model"], override.get("model"))}
     return deep_merge(base, override)
 
 

@@ -157,6 +157,17 @@ _PRESET_KEYS = {
 }
 
 
+def model_base(base: dict[str, Any], override: Any) -> dict[str, Any]:
+    """The earlier ``model`` section under a later one: a ``preset`` or ``init_from`` in the
+    later section is a whole model, so the earlier section's shape (its ``_PRESET_KEYS``, its
+    own preset or ``init_from``) gives way; keys given beside the preset in the later section
+    still win, and settings that are not the shape (``attn_implementation``) stay."""
+    if not isinstance(override, dict) or not (override.get("preset") or override.get("init_from")):
+        return base
+    drop = {*_PRESET_KEYS, "preset", "init_from"}
+    return {k: v for k, v in base.items() if k not in drop}
+
+
 class ModelConfig(_Strict):
     """A Llama-style causal LM built from a config (no hub download), or a local HF model."""
 
@@ -531,8 +542,10 @@ class Config(_Strict):
         if name not in self.runs:
             raise PipelineError(f"unknown run {name!r}; the config defines {sorted(self.runs)}")
         base = self.model_dump(mode="json", exclude={"runs"})
+        over = self.runs[name].model_dump(exclude_none=True)
+        base["model"] = model_base(base["model"], over.get("model"))
         # Python mode: JSON mode would turn an override's .inf/.nan into null, silently.
-        merged = deep_merge(base, self.runs[name].model_dump(exclude_none=True))
+        merged = deep_merge(base, over)
         return _validate(RunConfig, {"name": name, **merged}, where=f"runs.{name}.")
 
 
