@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ EXIT_USAGE = 2
 EXIT_REQUEUE = 75
 
 # --- the data directory (tokenize → render, train, consolidate, evaluate) ---------------------
+#: The largest sequence and vocabulary a data manifest may claim: a number read from a file
+#: sizes the model and the loader's buffers, so it is bounded before anything is built. The
+#: config's ``data.seq_len`` and ``data.tokenizer.vocab_size`` share these
+#: (``pipeline.config.types`` imports them: the manifest's reader sits below the config).
+MAX_SEQ_LEN = 1 << 20
+MAX_VOCAB_SIZE = 1 << 20
 DATA_MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SHARDS_DIR = "shards"
@@ -85,7 +92,9 @@ CKPT_MANIFEST = "manifest.json"  # written last: the checkpoint is complete once
 #: ``step-N`` + this: DeepSpeed's universal conversion of step N, beside it (another world size).
 UNIVERSAL_SUFFIX = ".universal"
 CKPT_TRAINER = "trainer.json"
-STEP_RE = re.compile(r"^step-(\d{6,})$")
+#: ASCII digits to the very end (``$`` would match before a trailing newline, ``\d`` other
+#: scripts' digits: a folder name is data).
+STEP_RE = re.compile(r"^step-([0-9]{6,})\Z")
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:
@@ -318,6 +327,15 @@ def check_data_manifest(m: dict[str, Any], path: Path) -> None:
     need(isinstance(tok, dict), "tokenizer")
     need(isinstance(tok.get("path"), str), "tokenizer.path")
     need(_int(tok.get("vocab_size")) and tok["vocab_size"] > 0, "tokenizer.vocab_size")
+    # In range, or the planner would size a model for it and blame the GPU's memory.
+    for what, value, limit in (("sequence length (seq_len)", m["seq_len"], MAX_SEQ_LEN),
+                               ("vocabulary (tokenizer.vocab_size)", tok["vocab_size"],
+                                MAX_VOCAB_SIZE)):
+        if value > limit:
+            raise PipelineError(f"{path}: the data manifest's {what} is {value:,}, more than "
+                                f"the {limit:,} the pipeline allows: the manifest was edited or "
+                                "is not the tokenize stage's; tokenize again (python -m "
+                                "pipeline.tokenize gather)")
     for key in ("eos_id", "bos_id"):
         v = tok.get(key)
         ok = (_int(v) and v < tok["vocab_size"]) or (key == "bos_id" and v is None)
@@ -341,6 +359,139 @@ def read_run_config_json(run_dir: Path) -> dict[str, Any]:
     parses and validates it)."""
     return read_artifact(run_dir / RUN_CONFIG, "rendered run config",
                          hint="run the render stage first")
+
+
+# --- shapes: what a reader checks of a JSON artifact before it uses a field -------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The type one field of a :data:`Shape` must have: a test and its name in messages. A
+    field that is absent or null passes unless ``required``."""
+
+    test: Callable[[Any], bool]
+    name: str
+    required: bool = False
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: A number (NaN and infinities too: a diverged model's loss is still a figure).
+NUMBER = Kind(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+COUNT = Kind(_int, "a non-negative integer")
+POSITIVE = Kind(lambda v: _int(v) and v > 0, "a positive integer")
+TEXT = Kind(lambda v: isinstance(v, str), "a string")
+OBJECT = Kind(lambda v: isinstance(v, dict), "a JSON object")
+TEXTS = Kind(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+             "a list of strings")
+NUMBERS = Kind(lambda v: isinstance(v, dict) and all(_finite(x) for x in v.values()),
+               "an object of finite numbers")
+#: Dotted field names (``*``: every key of an object) → their kind.
+Shape = dict[str, Kind]
+
+
+def must(kind: Kind) -> Kind:
+    """``kind``, and the field must be there (when its parent is)."""
+    return Kind(kind.test, kind.name, required=True)
+
+
+def _fields(node: Any, parts: list[str], prefix: str) -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every field ``parts`` names under ``node`` (``None`` where
+    the field is absent); a parent that is not an object yields itself with ``OBJECT``'s
+    failure."""
+    if not parts:
+        yield prefix, node
+        return
+    if not isinstance(node, dict):
+        yield prefix, _NOT_OBJECT
+        return
+    head, rest = parts[0], parts[1:]
+    for key in (list(node) if head == "*" else [head]):
+        full = f"{prefix}.{key}" if prefix else str(key)
+        value = node.get(key)
+        if value is None:
+            if not rest:
+                yield full, None
+        else:
+            yield from _fields(value, rest, full)
+
+
+_NOT_OBJECT = object()
+
+
+def check_shape(data: dict[str, Any], shape: Shape, path: Path, what: str, hint: str) -> None:
+    """Raise naming the file and the first field of ``data`` that is not of its kind (a file
+    edited, cut or written by something else is an error, not a TypeError deep inside a
+    stage); the value is shown escaped (it is data, maybe hostile)."""
+    for dotted, kind in shape.items():
+        for key, value in _fields(data, dotted.split("."), ""):
+            if value is _NOT_OBJECT:
+                problem = f"{key!r} is not a JSON object"
+            elif value is None:
+                if not kind.required:
+                    continue
+                problem = f"{key!r} is missing"
+            elif kind.test(value):
+                continue
+            else:
+                shown = ascii(value)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                problem = f"{key!r} is not {kind.name} (got {shown})"
+            raise PipelineError(f"{path}: the {what} is malformed: {problem}; {hint}")
+
+
+def read_shaped(path: Path, what: str, shape: Shape, *, hint: str) -> dict[str, Any] | None:
+    """A JSON artifact that may be absent (None), checked against ``shape`` when present."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    data = read_artifact(path, what, hint=hint)
+    check_shape(data, shape, path, what, hint)
+    return data
+
+
+#: ``config.json`` as the login node's readers use it (report, status, evaluate); the trainer
+#: validates all of it (``pipeline.config.files.load_run_config``).
+RUN_CONFIG_SHAPE: Shape = {
+    "name": TEXT, "cluster": OBJECT, "cluster.nodes": POSITIVE, "cluster.gpus_per_node": POSITIVE,
+    "train": OBJECT, "train.backend": TEXT, "train.max_steps": POSITIVE, "train.trackers": TEXTS,
+    "train.mixture": NUMBERS,
+}
+#: ``eval/metrics.json`` (evaluate → report, status).
+EVAL_METRICS_SHAPE: Shape = {
+    **{k: NUMBER for k in ("loss", "perplexity", "bits_per_byte", "final_train_loss")},
+    "tokens": COUNT, "step": COUNT, "lm_eval": OBJECT, "lm_eval.skipped": TEXT,
+    "lm_eval.results": OBJECT, "lm_eval.results.*": OBJECT, "mixture": OBJECT,
+    "mixture.*": OBJECT, "mixture.*.target": NUMBER, "mixture.*.consumed": NUMBER,
+}
+#: ``trackers.json`` (train → train on resume, evaluate): each tracker's run ids.
+TRACKERS_SHAPE: Shape = {
+    "config_hash": must(TEXT), "runs": must(OBJECT), "runs.*": OBJECT,
+    "runs.*.since_attempt": must(COUNT),
+    **{f"runs.mlflow.{k}": must(TEXT) for k in ("tracking_uri", "experiment_id", "run_id")},
+    **{f"runs.wandb.{k}": must(TEXT) for k in ("id", "project", "name")}, "runs.wandb.dir": TEXT,
+}
+
+
+def read_run_config_view(run_dir: Path) -> dict[str, Any] | None:
+    """The rendered ``config.json`` (None when absent), its fields of :data:`RUN_CONFIG_SHAPE`
+    checked."""
+    return read_shaped(run_dir / RUN_CONFIG, "rendered run config", RUN_CONFIG_SHAPE,
+                       hint="render the run again (snakemake --forcerun render)")
+
+
+def read_eval_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """``eval/metrics.json`` (None when absent), checked against :data:`EVAL_METRICS_SHAPE`."""
+    return read_shaped(run_dir / EVAL_DIR / EVAL_METRICS, "evaluation", EVAL_METRICS_SHAPE,
+                       hint="evaluate the run again (snakemake --forcerun evaluate)")
+
+
+def read_trackers(run_dir: Path) -> dict[str, Any] | None:
+    """``trackers.json`` (None when absent), checked against :data:`TRACKERS_SHAPE`."""
+    return read_shaped(run_dir / TRACKERS, "trackers record", TRACKERS_SHAPE,
+                       hint="move it aside to start new tracker runs (the old runs stay in "
+                       "the trackers)")
 
 
 def inside(base: Path, rel: str, source: Path | None = None) -> Path:
@@ -384,11 +535,9 @@ def fsync_dir(path: Path) -> None:
 def check_replaceable(dest: Path, marker: str, own_names: Collection[str] = (),
                       owner: Mapping[str, Any] | None = None) -> None:
     """Raise unless ``dest`` is absent or is what this command wrote before: it holds
-    ``marker``, or (folders written before markers existed) holds nothing but ``own_names``.
-    With ``owner`` (e.g. ``{"run": name}``), the marker must be a JSON object whose values for
-    those keys are these (a marker written before a key was recorded may lack it): another
-    run's output carries the same marker and is not this run's to replace.
-    A command never replaces a folder it did not create."""
+    ``marker`` (a JSON object holding ``owner``'s values, e.g. ``{"run": name}``, where it
+    records them: another run's output carries the same marker), or (folders written before
+    markers existed) nothing but ``own_names``. A command never replaces what it did not make."""
     if not dest.exists() and not dest.is_symlink():
         return
     if dest.is_symlink() or not dest.is_dir():

@@ -251,6 +251,10 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
                             "valid step or checkpoint_manifest_sha256; run consolidate again")
     if not run_dir.is_dir():
         raise PipelineError(f"--run-dir {run_dir} is not a folder: name results/runs/NAME")
+    # The run's files read after the evaluation (its trackers, its mixture), checked field by
+    # field now: a malformed one must not cost the evaluation or surface as a traceback.
+    af.read_run_config_view(run_dir)
+    af.read_trackers(run_dir)
     name = _check_same_run(model_dir, run_dir, origin)
     if lm_eval_tasks is not None and not lm_eval_tasks.is_dir():
         raise PipelineError(f"--lm-eval-tasks {lm_eval_tasks} is not a folder of task YAMLs")
@@ -333,9 +337,8 @@ def run_mixture(run_dir: Path, manifest: dict[str, Any]) -> dict[str, dict[str, 
     run's ``train.mixture`` (``config.json``; none: in proportion to the manifest's counts),
     consumed from ``train.done``'s ``tokens_by_source`` (None where training did not record
     it). A malformed field counts as absent: the report shows what is known."""
-    config = af.read_json_or_none(run_dir / af.RUN_CONFIG)
-    train = config.get("train") if isinstance(config, dict) else None
-    mixture = train.get("mixture") if isinstance(train, dict) else None
+    config = af.read_run_config_view(run_dir) or {}
+    mixture = (config.get("train") or {}).get("mixture")
     done = af.read_json_or_none(run_dir / af.TRAIN_DONE)
     consumed = done.get("tokens_by_source") if isinstance(done, dict) else None
     sizes = source_sizes(manifest)
@@ -429,7 +432,7 @@ def log_to_trackers(run_dir: Path, metrics: dict[str, Any]) -> None:
     at the evaluated step."""
     from pipeline.observe.trackers import Trackers
 
-    config = af.read_json_or_none(run_dir / af.RUN_CONFIG) or {}
+    config = af.read_run_config_view(run_dir) or {}
     names = list((config.get("train") or {}).get("trackers") or [])
     figures = {k: metrics.get(k) for k in ("loss", "perplexity", "bits_per_byte",
                                            "final_train_loss")}

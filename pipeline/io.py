@@ -75,3 +75,15 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 def read_json(path: str | Path) -> Any:
     """Read a JSON file."""
     return json.loads(Path(path).read_text())
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` as a terminal or a page may show it: control and other non-printable characters
+    escaped (``\\x1b``, ``\\u202e``): a string read from an artifact is data, and raw it could
+    move the cursor, clear the screen or reorder what follows it. ``lines``: keep line breaks
+    (a message of several lines)."""
+    if lines:
+        return "\n".join(printable(line) for line in text.split("\n"))
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts as af
-from pipeline.config.files import load_config, parse_run_config
+from pipeline.config.files import in_range, load_config, parse_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic, write_text_atomic
 from pipeline.plan.run import render_run
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = p.add_mutually_exclusive_group()
     vocab.add_argument("--data-manifest", type=Path,
                        help="results/data/manifest.json (vocab size, per-source counts)")
-    vocab.add_argument("--vocab-size", type=int, help="vocabulary size, without a manifest")
+    vocab.add_argument("--vocab-size", type=int, help="vocabulary size, without a manifest",
+                       **in_range(1, af.MAX_VOCAB_SIZE, "a vocabulary size"))
     args = p.parse_args(argv)
     try:
         if args.config is not None:
@@ -99,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             manifest = None
             vocab_size = args.vocab_size or run.data.tokenizer.vocab_size
-            if vocab_size < 1:
-                raise PipelineError(f"--vocab-size {vocab_size} must be at least 1")
         files = render_run(run, vocab_size=vocab_size, manifest=manifest)
         check_run_out(args.out, run.name)
         try:

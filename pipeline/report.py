@@ -14,7 +14,9 @@ results/report.html`` reads each run's files (``metrics.jsonl``, ``events.jsonl`
   (``runs/<run>/eval/loss.png``), by paths relative to the page.
 
 Pure and torch-free (the login node can run it); values from the files are escaped (a run
-name or lm-eval task is data, never markup).
+name or lm-eval task is data, never markup), and the files are checked field by field
+(``pipeline.artifacts.read_eval_metrics``, ``read_run_config_view``): a malformed one is an error
+naming it. ``--out`` replaces only a page this command wrote (:data:`MARKER` in its head).
 """
 
 from __future__ import annotations
@@ -33,8 +35,14 @@ from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
-from pipeline.io import write_text_atomic
+from pipeline.io import printable, write_text_atomic
 from pipeline.observe.goodput import goodput
+
+#: In the page's head: "this command wrote me" (``--out`` replaces only such a file).
+MARKER = '<meta name="generator" content="zerosnake report">'
+#: How pages written before the marker existed begin (they are this command's too).
+_LEGACY_HEAD = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+                "<title>zerosnake batch report</title>")
 
 
 def _num(v: Any) -> bool:
@@ -50,8 +58,10 @@ def _last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_summary(run_dir: Path) -> dict[str, Any]:
     """What the page shows of one run, from its files (missing files leave fields None)."""
     metrics = _last_per_step(af.read_metrics(run_dir))
-    ev = af.read_json_or_none(run_dir / af.EVAL_DIR / af.EVAL_METRICS) or {}
-    cfg = af.read_json_or_none(run_dir / af.RUN_CONFIG) or {}
+    # Both checked field by field: a malformed one is an error naming the file, not a
+    # traceback (absent ones leave their cells empty).
+    ev = af.read_eval_metrics(run_dir) or {}
+    cfg = af.read_run_config_view(run_dir) or {}
     cluster, train = cfg.get("cluster") or {}, cfg.get("train") or {}
     world = (cluster.get("nodes") or 1) * (cluster.get("gpus_per_node") or 1)
     gp = goodput(run_dir)
@@ -64,7 +74,8 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         "backend": train.get("backend"),
         "world": world,
         "steps": metrics[-1]["step"] if metrics else None,
-        "tokens": metrics[-1].get("tokens_seen") if metrics else None,
+        "tokens": next((r["tokens_seen"] for r in reversed(metrics)
+                        if type(r.get("tokens_seen")) is int), None),
         "curve": [(r["tokens_seen"], r["loss"]) for r in metrics
                   if _num(r.get("tokens_seen")) and _num(r.get("loss"))],
         "train_loss": next((r["loss"] for r in reversed(metrics) if _num(r.get("loss"))), None),
@@ -83,6 +94,12 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _escape(text: str) -> str:
+    """A value from the files as page text: markup escaped, control characters shown escaped
+    (the page is also read with cat and less)."""
+    return html.escape(printable(text))
+
+
 def _mixture(shares: Any) -> list[tuple[str, Any, Any]]:
     """(source, consumed, target) of eval/metrics.json's ``mixture`` (pipeline.evaluate)."""
     if not isinstance(shares, dict):
@@ -96,7 +113,7 @@ def _pct(v: Any) -> str:
 
 
 def _mixture_cell(mix: list[tuple[str, Any, Any]]) -> str:
-    return "<br>".join(f"{html.escape(n)} {_pct(c)} (target {_pct(t)})"
+    return "<br>".join(f"{_escape(n)} {_pct(c)} (target {_pct(t)})"
                        for n, c, t in mix) or "–"
 
 
@@ -112,7 +129,9 @@ def loss_plot_png(runs: list[dict[str, Any]]) -> bytes:
         color = f"C{i % 10}"
         if r["curve"]:
             xs, ys = zip(*r["curve"], strict=True)
-            ax.plot(xs, ys, color=color, label=r["run"], linewidth=1.2)
+            # A run name is a folder's name: "$" would start matplotlib's math text.
+            ax.plot(xs, ys, color=color, label=printable(r["run"]).replace("$", r"\$"),
+                    linewidth=1.2)
             if _num(r["val_loss"]):
                 ax.scatter([xs[-1]], [r["val_loss"]], color=color, marker="o", zorder=3)
     ax.set(xlabel="tokens seen", ylabel="training loss",
@@ -128,6 +147,8 @@ def loss_plot_png(runs: list[dict[str, Any]]) -> bytes:
 
 
 def _fmt(v: Any, spec: str) -> str:
+    if spec.endswith("d") and type(v) is not int:  # an integer format of a float would raise
+        return "–"
     return format(v, spec) if _num(v) else "–"
 
 
@@ -141,7 +162,7 @@ def _link(page: Path, target: Path) -> str:
 
 def render_html(runs: list[dict[str, Any]], run_dirs: list[Path], page: Path) -> str:
     """The page (see the module docstring)."""
-    e = html.escape
+    e = _escape
     lm_cols = sorted({k for r in runs for k in r["lm_eval"]})
     mix_col = any(r["mixture"] for r in runs)
     head = ["run", "engine", "processes", "steps", "tokens", "train loss", "val loss",
@@ -169,6 +190,7 @@ def render_html(runs: list[dict[str, Any]], run_dirs: list[Path], page: Path) ->
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
+{MARKER}
 <title>zerosnake batch report</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
@@ -192,15 +214,43 @@ GPU-hours: processes × the wall time of every attempt.</p>
 """
 
 
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` this command did not write: a page is replaced only when it carries
+    :data:`MARKER` (or is a page written before the marker existed: :data:`_LEGACY_HEAD`), so a
+    mistyped ``--out`` never overwrites someone's file (a thesis, a run's config.json)."""
+    if out.is_symlink():
+        raise PipelineError(f"--out {out} is a symbolic link: nothing was written; name a file "
+                            "of its own")
+    if not out.exists():
+        return
+    if not out.is_file():
+        raise PipelineError(f"--out {out} exists and is not a file: nothing was written; "
+                            "name the page's file (default: RESULTS/report.html)")
+    try:
+        with out.open("rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
+    except OSError as err:
+        raise PipelineError(f"--out {out} cannot be read ({err.strerror or err}): nothing was "
+                            "written") from None
+    if MARKER not in head and not head.startswith(_LEGACY_HEAD):
+        raise PipelineError(f"--out {out} exists and is not a page this command wrote (no "
+                            "zerosnake report marker in it): nothing was written; choose "
+                            "another --out, or move the file aside yourself")
+
+
 def write_report(results: Path, runs: list[str], out: Path) -> Path:
-    """Read each run of ``runs`` under ``results/runs`` and write the page to ``out``."""
+    """Read each run of ``runs`` under ``results/runs`` and write the page to ``out`` (only
+    where :func:`check_out` allows, checked before any run is read and again before writing)."""
+    check_out(out)
     dirs = [results / "runs" / r for r in runs]
     missing = [str(d) for d in dirs if not d.is_dir()]
     if missing:
         raise PipelineError(f"no run folder {', '.join(missing)}: name runs under "
                             f"{results / 'runs'} (--run NAME)")
     summaries = [run_summary(d) for d in dirs]
-    write_text_atomic(out, render_html(summaries, dirs, out))
+    page = render_html(summaries, dirs, out)
+    check_out(out)
+    write_text_atomic(out, page)
     return out
 
 
@@ -223,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
             raise PipelineError(f"no runs under {args.results / 'runs'}: train some first")
         out = write_report(args.results, runs, args.out or args.results / "report.html")
     except PipelineError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {printable(str(err), lines=True)}", file=sys.stderr)
         return af.EXIT_USAGE
     except OSError as err:
-        print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
+        print(f"error: {printable(str(err.filename or args.out))}: {err.strerror or err}",
+              file=sys.stderr)
         return 1
-    print(out)
+    print(printable(str(out)))
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from pipeline import artifacts as af
 from pipeline.cluster.env import squeue_states
 from pipeline.errors import PipelineError
+from pipeline.io import printable
 from pipeline.observe.goodput import goodput, save_time_warning
 
 #: How many of the newest metrics records the tokens/s column averages.
@@ -43,10 +44,13 @@ class RunStatus:
     warnings: list[str] = field(default_factory=list)
 
     def row(self) -> list[str]:
+        """The table's cells, each with its control characters shown escaped (every string
+        here comes from a run's files or a folder's name)."""
         g = self.goodput
         share = "-" if not g or g["goodput"] is None else f"{100 * g['goodput']:.0f}%"
-        return [self.run, self.stage, self.job_id, self.slurm_state, self.step,
-                str(self.restarts), self.checkpoint, self.tokens_per_s, share]
+        return [printable(str(c)) for c in (
+            self.run, self.stage, self.job_id, self.slurm_state, self.step, self.restarts,
+            self.checkpoint, self.tokens_per_s, share)]
 
 
 HEADER = ["run", "stage", "job", "slurm", "step", "restarts", "checkpoint", "tokens/s",
@@ -75,9 +79,12 @@ def run_status(run_dir: Path) -> RunStatus:
     """Everything but the Slurm state (filled in by :func:`collect`, one squeue for all)."""
     job = af.read_job(run_dir)
     metrics = af.read_metrics(run_dir, tail_bytes=64 * 1024)
-    cfg = af.read_json_or_none(run_dir / af.RUN_CONFIG)
-    cfg = cfg if isinstance(cfg, dict) else {}
     st = RunStatus(run=run_dir.name, stage=_stage(run_dir, job, metrics))
+    try:
+        cfg = af.read_run_config_view(run_dir) or {}
+    except PipelineError as err:  # shown without it, and said so
+        cfg = {}
+        st.warnings.append(str(err))
     if job is not None:
         st.job_id = str(job.get("job_id", "-"))
         if job.get("launcher") == "local":
@@ -109,12 +116,6 @@ def run_status(run_dir: Path) -> RunStatus:
 _JOB_ID = re.compile(r"^\d+([_+]\d+)?$")
 
 
-def _shown(name: str) -> str:
-    """A run name as the table shows it: control characters (a hostile folder name could
-    move the cursor or clear the screen) escaped."""
-    return name if name.isprintable() else ascii(name)[1:-1]
-
-
 def collect(results: Path, problems: list[str] | None = None) -> list[RunStatus]:
     """One status per run folder. A run whose files cannot be read shows as ``unreadable``
     (the reason is appended to ``problems``); it never hides the other runs."""
@@ -132,11 +133,10 @@ def collect(results: Path, problems: list[str] | None = None) -> list[RunStatus]
             if problems is not None:
                 problems.append(f"{d}: cannot be read ({type(err).__name__}: {err}); check or "
                                 "remove its files (the other runs are shown)")
-        st.run = _shown(st.run)
         out.append(st)
     for s in out:
         if s.job_id != "-" and s.slurm_state == "-" and not _JOB_ID.match(s.job_id):
-            s.job_id, s.slurm_state = _shown(s.job_id)[:40], "?"
+            s.job_id, s.slurm_state = printable(s.job_id)[:40], "?"
     slurm_ids = [s.job_id for s in out if s.job_id != "-" and s.slurm_state == "-"]
     if slurm_ids and shutil.which("squeue"):
         states = squeue_states(slurm_ids)
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no runs under {args.results / 'runs'}")
     for r in rows:
         for line in r.warnings:
-            print(f"warning: {r.run}: {line}", file=sys.stderr)
+            print(f"warning: {printable(r.run)}: {printable(line)}", file=sys.stderr)
     for line in problems:
-        print(f"error: {line}", file=sys.stderr)
+        print(f"error: {printable(line)}", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -111,6 +111,40 @@ def test_model_preset_fills_architecture_and_explicit_keys_win():
         parse_config(with_(model={"preset": "llama9"}))
 
 
+def test_a_preset_in_a_users_file_is_a_whole_model():
+    """The default config's explicit model keys give way to a later file's preset (or
+    init_from); keys beside the preset in that file, and a run's own, still win."""
+    user = {"model": {"preset": "llama2-70b"}, "runs": {"big": {}, "short": {
+        "model": {"num_layers": 2}}, "small": {"model": {"preset": "llama2-7b"}}}}
+    merged = merge_config(DEFAULT, user)
+    cfg = parse_config(merged)
+    big = cfg.run("big").model
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads) == (8192, 80, 64, 8)
+    assert cfg.run("short").model.num_layers == 2 and cfg.run("short").model.hidden_size == 8192
+    assert cfg.run("small").model.hidden_size == 4096
+    assert cfg.run("small").model.num_kv_heads in (None, 32)  # 7b has no GQA, not 70b's 8
+    beside = merge_config(DEFAULT, {"model": {"preset": "llama2-7b", "num_layers": 4}})
+    assert parse_config(beside).run("fsdp").model.num_layers == 4
+    # Without a preset the default's keys merge as before.
+    assert merge_config(DEFAULT, {"model": {"num_layers": 5}})["model"]["hidden_size"] == \
+        DEFAULT["model"]["hidden_size"]
+
+
+def test_the_readmes_7b_and_70b_configs_pass_the_preflight():
+    import re
+
+    from pipeline.plan.run import render_run
+
+    text = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "preset:" in b]
+    assert len(blocks) == 2
+    for block in blocks:
+        cfg = parse_config(merge_config(DEFAULT, yaml.safe_load(block)))
+        (name,) = cfg.run_names()
+        files = render_run(cfg.run(name), vocab_size=32000)
+        assert "fits" in files["plan.md"] or "FULL_SHARD" in files["plan.md"]
+
+
 def test_planner_keys_name_config_fields():
     from pipeline.config.schema import ClusterConfig, DataConfig, TrainConfig
     from pipeline.plan import KEYS

@@ -382,10 +382,14 @@ def test_deepspeed_on_another_world_size_loads_its_universal_conversion(
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
     run_dir = tmp_path / "nan"
-    cfg = write_config(data_dir, "nan", lr=1e30, warmup_steps=0, checkpoint_every=1)
+    # train.lr is at most 1, which diverges at no known step: the trainer's fault injection
+    # makes step 3's loss NaN on every rank.
+    from pipeline.train.trainer import NAN_AT_STEP_ENV
+
+    cfg = write_config(data_dir, "nan", warmup_steps=0, checkpoint_every=1)
     run_cli("pipeline.render", "--config", str(cfg), "--run", "r", "--out", str(run_dir),
             "--data-manifest", str(data_dir / "manifest.json"))
-    proc = torchrun(run_dir, data_dir)
+    proc = torchrun(run_dir, data_dir, **{NAN_AT_STEP_ENV: "3"})
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "loss is nan at step" in err or "loss is inf at step" in err, err[-2000:]

@@ -15,12 +15,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import yaml
 
-from pipeline.config.schema import _SECTION, Config, RunConfig, SourceConfig, _validate
+from pipeline.config.schema import (
+    _SECTION,
+    Config,
+    RunConfig,
+    SourceConfig,
+    _validate,
+    model_base,
+)
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
 from pipeline.text.sources import expand_paths
@@ -203,7 +211,9 @@ def merge_config(base: dict[str, Any], override: Any, *, where: str = "") -> dic
     """``override`` (one config file, or ``--config`` values) merged over ``base``, as the
     workflow merges config files: every section is deep-merged, except ``runs``, which an
     override that has it replaces as a whole (a user's batch of runs never inherits the
-    default's ``fsdp`` and ``deepspeed`` runs). Lists (``data.sources``) are replaced."""
+    default's ``fsdp`` and ``deepspeed`` runs). Lists (``data.sources``) are replaced. A
+    ``model.preset`` or ``model.init_from`` replaces the earlier model's shape
+    (:func:`~pipeline.config.schema.model_base`)."""
     if override is None:  # an empty file
         return copy.deepcopy(base)
     if not isinstance(override, dict):
@@ -211,6 +221,8 @@ def merge_config(base: dict[str, Any], override: Any, *, where: str = "") -> dic
                             f"must be a mapping (got {type(override).__name__})")
     if "runs" in override:
         base = {k: v for k, v in base.items() if k != "runs"}
+    if isinstance(base.get("model"), dict):
+        base = {**base, "model": model_base(base["model"], override.get("model"))}
     return deep_merge(base, override)
 
 
@@ -335,10 +347,72 @@ def mirror_argument(
     kwargs.setdefault("help", field_help(cls, name, default=same))
     if isinstance(own, bool):
         kwargs.setdefault("action", "store_true" if not own else argparse.BooleanOptionalAction)
-    elif "choices" not in kwargs and "type" not in kwargs:
+    elif "choices" not in kwargs:
         try:
             kwargs["choices"] = field_choices(cls, name)
         except TypeError:
-            if own is not None:
-                kwargs["type"] = type(own)
+            base = kwargs.get("type") or _number_type(info.annotation)
+            if base is not None:
+                # The field's own limits, checked as the option is parsed: a command given
+                # `--seq-len 1000000000000` stops there, before it allocates anything.
+                kwargs["type"] = base
+                kwargs.setdefault("action", _Checked)
+                kwargs["check"] = field_check(cls, name, base)
     return parser.add_argument(flag, **kwargs)
+
+
+class _Checked(argparse.Action):
+    """Store the option's (converted) value when ``check`` finds no problem with it, else
+    argparse's ``error: --flag VALUE: problem`` (exit status 2)."""
+
+    def __init__(self, *args: Any, check: Callable[[Any], str | None], **kwargs: Any) -> None:
+        self.check = check
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        problem = self.check(values)
+        if problem:
+            parser.error(f"{option_string} {values}: {problem}")
+        setattr(namespace, self.dest, values)
+
+
+def _number_type(annotation: Any) -> type | None:
+    """``int`` or ``float`` for a field typed so (``int | None`` too), else None."""
+    for t in (annotation, *get_args(annotation)):
+        if t in (int, float):
+            return t
+    return None
+
+
+def field_check(cls: type[BaseModel], name: str, base: type = int) -> Callable[[Any], str | None]:
+    """What is wrong with a value for a numeric config field (its limits; no infinities or
+    NaN), naming the config key; None when nothing is."""
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    info = cls.model_fields[name]
+    key = f"{_SECTION[cls]}.{name}" if cls in _SECTION else name
+    adapter = TypeAdapter(Annotated[(base, *info.metadata)],
+                          config=ConfigDict(allow_inf_nan=False))
+
+    def check(value: Any) -> str | None:
+        try:
+            adapter.validate_python(value)
+        except ValidationError as err:
+            msg = (err.errors()[0]["msg"].replace("Input should be", "must be")
+                   .replace("less than or equal to", "at most")
+                   .replace("greater than or equal to", "at least"))
+            return f"{msg} (config: {key})"
+        return None
+
+    return check
+
+
+def in_range(low: float, high: float, what: str = "a value") -> dict[str, Any]:
+    """``add_argument`` keywords that hold an option mirroring no config field (a count, a
+    size) to ``[low, high]``: ``error: --flag VALUE: give ... from low to high`` (exit 2)."""
+
+    def check(value: Any) -> str | None:
+        return None if low <= value <= high else f"give {what} from {low:,} to {high:,}"
+
+    return {"action": _Checked, "check": check}

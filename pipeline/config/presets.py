@@ -13,7 +13,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.types import (
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_PARAMS,
+    MAX_POSITIONS,
+    MAX_VOCAB_SIZE,
+)
 from pipeline.errors import PipelineError
+
+#: Each shape number's upper bound (the config's): a shape read from a file or made from a
+#: parameter count sizes the planner's work and the model it would build.
+_LIMITS = {"vocab_size": MAX_VOCAB_SIZE, "hidden_size": MAX_HIDDEN,
+           "intermediate_size": MAX_INTERMEDIATE, "num_layers": MAX_LAYERS,
+           "num_heads": MAX_HEADS, "num_kv_heads": MAX_HEADS,
+           "max_position_embeddings": MAX_POSITIONS, "head_dim": MAX_HIDDEN}
 
 #: ``model_type`` values whose module layout :meth:`ModelShape.num_params` reproduces exactly.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -69,11 +85,15 @@ class ModelShape:
     """Set only for a shape synthesised from ``--params N``: the count the user asked for."""
 
     def __post_init__(self) -> None:
-        for field_name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                           "num_heads", "num_kv_heads", "max_position_embeddings"):
+        for field_name, limit in _LIMITS.items():
             value = getattr(self, field_name)
+            if value is None and field_name == "head_dim":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise PipelineError(f"model.{field_name}: must be a positive integer, got {value!r}")
+            if value > limit:
+                raise PipelineError(f"model.{field_name}: {value} is more than {limit}, the "
+                                    f"largest the pipeline plans for")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise PipelineError(
                 f"model.model_type: {self.model_type!r} is not supported by the planner; "
@@ -215,8 +235,8 @@ class ModelShape:
         made up with GPT-3's aspect ratio (width ≈ 128 × depth, Brown et al. 2020, Table 2.1) and
         a SwiGLU MLP of width 8h/3 (12h² parameters per layer, as GPT's 4h MLP). The count itself is kept exactly.
         """
-        if num_params <= 0:
-            raise PipelineError(f"model.params: must be positive, got {num_params}")
+        if not 0 < num_params <= MAX_PARAMS:
+            raise PipelineError(f"--params: must be in (0, {MAX_PARAMS:.0e}], got {num_params}")
         vocab = 32000
         # 12·L·h² with h = 128·L  →  h³ = 128·N/12
         width = (128 * num_params / 12) ** (1 / 3)

@@ -25,9 +25,26 @@ from pydantic import (
 )
 
 from pipeline.config.types import (  # re-exported: the config's value sets and limits
+    MAX_GLOBAL_BATCH,
+    MAX_GPU_MEM_GB,
     MAX_GPUS_PER_NODE,
+    MAX_GRAD_ACCUM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_HOST_MEM_GB,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_LR,
+    MAX_MICRO_BATCH,
     MAX_NODES,
+    MAX_POSITIONS,
+    MAX_PP,
     MAX_SEQ_LEN,
+    MAX_SHARDS,
+    MAX_SOURCES,
+    MAX_STEPS,
+    MAX_TP,
+    MAX_VOCAB_SIZE,
     RUN_NAME_RE,
     SOURCE_NAME_RE,
     Accounting,
@@ -48,6 +65,8 @@ from pipeline.config.types import (  # re-exported: the config's value sets and 
     _Strict,
     check_model_parallel,
 )
+from pipeline.config.types import MAX_PARAMS as MAX_PARAMS
+from pipeline.config.types import MAX_WORLD as MAX_WORLD
 from pipeline.config.types import format_errors as _format_errors
 from pipeline.errors import PipelineError
 from pipeline.io import deep_merge
@@ -83,7 +102,7 @@ class TokenizerConfig(_Strict):
 
     path: PathStr | None = None
     """A local HF tokenizer directory or ``tokenizer.json``. ``null`` trains a byte-level BPE."""
-    vocab_size: int = Field(1024, ge=260, le=1_048_576)
+    vocab_size: int = Field(1024, ge=260, le=MAX_VOCAB_SIZE)
     """Vocabulary size of the trained BPE (ignored when ``path`` is set)."""
     train_max_bytes: int = Field(20_000_000, gt=0, le=1 << 40)
     """At most this many bytes of the corpus are read to train the BPE."""
@@ -92,7 +111,7 @@ class TokenizerConfig(_Strict):
 class DataConfig(_Strict):
     """Raw text → packed token sequences."""
 
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1, max_length=MAX_SOURCES)
     """The corpora. Each source is read with its own options and tokenized into its own
     shards (``data.shards`` jobs per source) of one dataset and vocabulary; ``train.mixture``
     weighs them per run."""
@@ -100,7 +119,7 @@ class DataConfig(_Strict):
     """Tokenizer settings."""
     seq_len: int = Field(128, ge=2, le=MAX_SEQ_LEN)
     """Tokens per packed training sequence."""
-    shards: int = Field(2, ge=1, le=100_000)
+    shards: int = Field(2, ge=1, le=MAX_SHARDS)
     """Number of parallel tokenize jobs (and shard files) per source."""
     val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     """Fraction of documents held out for validation (chosen by a hash of each document)."""
@@ -138,6 +157,17 @@ _PRESET_KEYS = {
 }
 
 
+def model_base(base: dict[str, Any], override: Any) -> dict[str, Any]:
+    """The earlier ``model`` section under a later one: a ``preset`` or ``init_from`` in the
+    later section is a whole model, so the earlier section's shape (its ``_PRESET_KEYS``, its
+    own preset or ``init_from``) gives way; keys given beside the preset in the later section
+    still win, and settings that are not the shape (``attn_implementation``) stay."""
+    if not isinstance(override, dict) or not (override.get("preset") or override.get("init_from")):
+        return base
+    drop = {*_PRESET_KEYS, "preset", "init_from"}
+    return {k: v for k, v in base.items() if k not in drop}
+
+
 class ModelConfig(_Strict):
     """A Llama-style causal LM built from a config (no hub download), or a local HF model."""
 
@@ -147,17 +177,17 @@ class ModelConfig(_Strict):
     vocabulary always comes from the tokenizer."""
     init_from: PathStr | None = None
     """A local HF model directory to continue training from; ``null`` builds from scratch."""
-    hidden_size: int = Field(64, ge=8, le=1 << 17)
+    hidden_size: int = Field(64, ge=8, le=MAX_HIDDEN)
     """Width of the residual stream."""
-    intermediate_size: int = Field(172, ge=8, le=1 << 20)
+    intermediate_size: int = Field(172, ge=8, le=MAX_INTERMEDIATE)
     """Width of the MLP."""
-    num_layers: int = Field(2, ge=1, le=4096)
+    num_layers: int = Field(2, ge=1, le=MAX_LAYERS)
     """Number of decoder layers."""
-    num_heads: int = Field(4, ge=1, le=4096)
+    num_heads: int = Field(4, ge=1, le=MAX_HEADS)
     """Attention heads."""
-    num_kv_heads: int | None = Field(None, ge=1, le=4096)
+    num_kv_heads: int | None = Field(None, ge=1, le=MAX_HEADS)
     """Key/value heads (grouped-query attention); ``null`` means equal to ``num_heads``."""
-    max_position_embeddings: int = Field(256, ge=2, le=1 << 24)
+    max_position_embeddings: int = Field(256, ge=2, le=MAX_POSITIONS)
     """Longest sequence the rotary embedding is set up for."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output projection."""
@@ -210,9 +240,9 @@ class ClusterConfig(_Strict):
     device: Device = "auto"
     """``auto`` uses CUDA when every process of a node has a GPU of its own (``gpus_per_node``
     GPUs visible), else the CPU with gloo; ``cuda`` requires them; ``cpu`` never uses one."""
-    gpu_mem_gb: float = Field(80.0, gt=0, le=100_000)
+    gpu_mem_gb: float = Field(80.0, gt=0, le=MAX_GPU_MEM_GB)
     """Memory of one GPU, for the memory plan."""
-    host_mem_gb: float = Field(256.0, gt=0, le=1_000_000)
+    host_mem_gb: float = Field(256.0, gt=0, le=MAX_HOST_MEM_GB)
     """Host RAM of one node, for the memory plan (offload)."""
 
 
@@ -237,11 +267,11 @@ class TrainConfig(_Strict):
     """Keep optimizer states on the host (DeepSpeed ZeRO-Offload)."""
     offload_params: bool = False
     """Keep parameters on the host between uses (DeepSpeed ZeRO-3 only)."""
-    tp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1, le=MAX_TP)
     """Tensor-parallel degree, inside a node: DTensor TP on ``backend: fsdp``, AutoTP on
     ``backend: deepspeed`` (ZeRO 0-2). It must divide gpus_per_node, the attention and KV heads
     and the MLP's intermediate size."""
-    pp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, le=MAX_PP)
     """Pipeline-parallel degree: ``torch.distributed.pipelining`` stages on ``backend: fsdp``,
     DeepSpeed's ``PipelineModule`` on ``backend: deepspeed`` (ZeRO 0-1). The decoder layers are
     split evenly over the stages; the micro batches of one step (``grad_accum``) flow through."""
@@ -257,18 +287,18 @@ class TrainConfig(_Strict):
     the installed DeepSpeed at render time)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
-    micro_batch_size: int = Field(8, ge=1, le=1 << 20)
+    micro_batch_size: int = Field(8, ge=1, le=MAX_MICRO_BATCH)
     """Sequences per process per forward/backward."""
-    grad_accum: int = Field(1, ge=1, le=1 << 20)
+    grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM)
     """Micro batches accumulated per optimizer step."""
-    global_batch_size: int | None = Field(None, ge=1, le=1 << 30)
+    global_batch_size: int | None = Field(None, ge=1, le=MAX_GLOBAL_BATCH)
     """Sequences per optimizer step; if given it must equal micro × accumulation × data-parallel."""
-    max_steps: int = Field(200, ge=1, le=10**10)
+    max_steps: int = Field(200, ge=1, le=MAX_STEPS)
     """Optimizer steps to train."""
-    lr: float = Field(3e-3, gt=0)
-    """Peak learning rate (finite, > 0; no upper bound: a run that diverges is stopped by the
-    trainer at the first non-finite loss, with its last good checkpoint kept)."""
-    warmup_steps: int = Field(10, ge=0, le=10**10)
+    lr: float = Field(3e-3, gt=0, le=MAX_LR)
+    """Peak learning rate, in (0, 1] (a run that diverges below that is stopped by the trainer at
+    the first non-finite loss, with its last good checkpoint kept)."""
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
     """Linear warmup from 0 to ``lr``; then linear decay to 0 at ``max_steps``."""
     weight_decay: float = Field(0.1, ge=0, le=10.0)
     """AdamW weight decay."""
@@ -280,7 +310,7 @@ class TrainConfig(_Strict):
     """Clip the global gradient norm to this (0 disables)."""
     torch_adam: bool = True
     """DeepSpeed: use torch's AdamW instead of the JIT-compiled fused kernel."""
-    checkpoint_every: int = Field(50, ge=1, le=10**10)
+    checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS)
     """Save a checkpoint every this many optimizer steps (and at the end)."""
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints kept; older ones are deleted."""
@@ -289,10 +319,10 @@ class TrainConfig(_Strict):
     record_samples: bool = False
     """Write the sequence indices each rank consumed, per step, to ``samples-rankNNNNN.jsonl``
     (an audit of the data order across restarts)."""
-    loss_scale_init: float = Field(65536.0, gt=0)
+    loss_scale_init: float = Field(65536.0, gt=0, le=2.0**32)
     """fp16 with ``backend: ddp``: the GradScaler's initial loss scale (halved on every step
     whose gradients overflow, which is then skipped)."""
-    loss_scale_growth_interval: int = Field(2000, ge=1)
+    loss_scale_growth_interval: int = Field(2000, ge=1, le=MAX_STEPS)
     """fp16 with ``backend: ddp``: the loss scale doubles after this many steps without
     overflow."""
     compile: bool = False
@@ -512,8 +542,10 @@ class Config(_Strict):
         if name not in self.runs:
             raise PipelineError(f"unknown run {name!r}; the config defines {sorted(self.runs)}")
         base = self.model_dump(mode="json", exclude={"runs"})
+        over = self.runs[name].model_dump(exclude_none=True)
+        base["model"] = model_base(base["model"], over.get("model"))
         # Python mode: JSON mode would turn an override's .inf/.nan into null, silently.
-        merged = deep_merge(base, self.runs[name].model_dump(exclude_none=True))
+        merged = deep_merge(base, over)
         return _validate(RunConfig, {"name": name, **merged}, where=f"runs.{name}.")
 
 

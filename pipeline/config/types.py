@@ -17,15 +17,45 @@ from pydantic import (
     field_validator,
 )
 
+from pipeline.artifacts import MAX_SEQ_LEN as _MAX_SEQ_LEN
+from pipeline.artifacts import MAX_VOCAB_SIZE as _MAX_VOCAB_SIZE
+
 #: Run names become directory names and Slurm job names: keep them boring. Matched with
 #: ``fullmatch`` (``$`` alone would let a trailing newline through).
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 #: Sane maxima. Beyond them a value is a typo or an attack, not an experiment: the planner, the
-#: tokenizer and the launcher allocate or iterate in proportion to these numbers.
+#: tokenizer and the launcher allocate or iterate in proportion to these numbers. Every size
+#: and count of the config has one (the schema's fields, the planner's inputs and the stage
+#: CLIs' options that mirror a field all check these).
 MAX_NODES = 100_000
 MAX_GPUS_PER_NODE = 1024
-MAX_SEQ_LEN = 1 << 20
+#: Tensor parallelism stays inside a node.
+MAX_TP = MAX_GPUS_PER_NODE
+MAX_LAYERS = 4096
+#: Every pipeline stage holds at least one decoder layer.
+MAX_PP = MAX_LAYERS
+#: All ranks of a job; the data-parallel degree (and an HSDP group) is at most this.
+MAX_WORLD = MAX_NODES * MAX_GPUS_PER_NODE
+MAX_GPU_MEM_GB = 100_000
+MAX_HOST_MEM_GB = 1_000_000
+MAX_HEADS = 4096
+MAX_HIDDEN = 1 << 17
+MAX_INTERMEDIATE = 1 << 20
+MAX_POSITIONS = 1 << 24
+MAX_MICRO_BATCH = 1 << 20
+MAX_GRAD_ACCUM = 1 << 20
+MAX_GLOBAL_BATCH = 1 << 30
+MAX_STEPS = 10**10
+MAX_SOURCES = 1024
+MAX_SHARDS = 100_000
+#: The largest model ``python -m pipeline.plan --params`` sizes (100 T parameters).
+MAX_PARAMS = 10**14
+#: A learning rate above 1 is a typo (1e-3 written as 1e3), not an experiment.
+MAX_LR = 1.0
+#: The data manifest's limits are the contract's (its reader sits below the config).
+MAX_SEQ_LEN = _MAX_SEQ_LEN
+MAX_VOCAB_SIZE = _MAX_VOCAB_SIZE
 
 # The value sets of the config's choices, defined once: the planner (pipeline.plan.spec), the
 # stage CLIs and the readers take them from here.

@@ -44,7 +44,7 @@ from typing import Any
 
 from pipeline import artifacts as af
 from pipeline.errors import PipelineError
-from pipeline.io import read_json, write_json_atomic
+from pipeline.io import write_json_atomic
 
 #: What ``train.trackers`` may name, and the package each needs.
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -246,7 +246,9 @@ class Trackers:
         for name in names:
             _need(name)
         path = run_dir / af.TRACKERS
-        state = read_json(path) if path.is_file() else {}
+        # Checked field by field (af.TRACKERS_SHAPE): a malformed record is an error naming
+        # it before any tracker is opened.
+        state = af.read_trackers(run_dir) or {}
         if state.get("config_hash") != config_hash:
             state = {"config_hash": config_hash, "runs": {}}
         runs = state["runs"]
@@ -269,8 +271,7 @@ class Trackers:
     def for_evaluation(cls, run_dir: Path, names: list[str]) -> Trackers:
         """The trackers training opened for this run (those of ``names`` it recorded; none
         when training recorded none)."""
-        path = run_dir / af.TRACKERS
-        runs = (read_json(path).get("runs") or {}) if path.is_file() else {}
+        runs = (af.read_trackers(run_dir) or {}).get("runs") or {}
         opened = []
         for name in names:
             if name in runs:

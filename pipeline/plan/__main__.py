@@ -7,9 +7,9 @@ import contextlib
 import json
 import sys
 
-from pipeline.config.files import field_default, field_help, mirror_argument
+from pipeline.config.files import field_default, field_help, in_range, mirror_argument
 from pipeline.config.presets import PRESETS, ModelShape, resolve_model
-from pipeline.config.schema import ClusterConfig, DataConfig, PlanConfig, TrainConfig
+from pipeline.config.schema import MAX_PARAMS, ClusterConfig, DataConfig, PlanConfig, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.plan.preflight import check
 from pipeline.plan.report import render_plan_md
@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json")
-    model.add_argument("--params", type=float, help="parameter count only, e.g. 7.5e9")
+    model.add_argument("--params", type=float, help="parameter count only, e.g. 7.5e9",
+                       **in_range(1, MAX_PARAMS, "a parameter count"))
 
     mirror_argument(p, "--nodes", ClusterConfig, "nodes")
     mirror_argument(p, "--gpus-per-node", ClusterConfig, "gpus_per_node")
@@ -43,14 +44,14 @@ def _parser() -> argparse.ArgumentParser:
                    help=field_help(TrainConfig, "offload_optimizer", default=False) + "; " + _AUTO)
     p.add_argument("--offload-params", action="store_true", default=None,
                    help=field_help(TrainConfig, "offload_params", default=False) + "; " + _AUTO)
-    p.add_argument("--tp", type=int, help=field_help(TrainConfig, "tp", default=False) + "; " + _AUTO)
-    p.add_argument("--pp", type=int, help=field_help(TrainConfig, "pp", default=False) + "; " + _AUTO)
+    for flag in ("tp", "pp"):
+        mirror_argument(p, f"--{flag}", TrainConfig, flag, default=None,
+                        help=field_help(TrainConfig, flag, default=False) + "; " + _AUTO)
     mirror_argument(p, "--micro-batch", TrainConfig, "micro_batch_size")
-    p.add_argument("--grad-accum", type=int,
-                   help=field_help(TrainConfig, "grad_accum", default=False)
-                   + "; default: from --global-batch, else 1")
-    p.add_argument("--global-batch", type=int,
-                   help=field_help(TrainConfig, "global_batch_size", default=False))
+    mirror_argument(p, "--grad-accum", TrainConfig, "grad_accum", default=None,
+                    help=field_help(TrainConfig, "grad_accum", default=False)
+                    + "; default: from --global-batch, else 1")
+    mirror_argument(p, "--global-batch", TrainConfig, "global_batch_size")
     mirror_argument(p, "--seq-len", DataConfig, "seq_len")
     mirror_argument(p, "--precision", TrainConfig, "precision")
     mirror_argument(p, "--activation-checkpointing", TrainConfig, "activation_checkpointing",

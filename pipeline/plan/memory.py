@@ -46,7 +46,7 @@ from pipeline.config.presets import ModelShape
 from pipeline.config.schema import Accounting
 from pipeline.errors import PipelineError
 from pipeline.plan.spec import BatchSpec, Strategy
-from pipeline.plan.topology import ParallelDims, layer_params_per_tp_rank, params_per_rank
+from pipeline.plan.topology import ParallelDims, layer_params_per_tp_rank, params_per_stage
 
 ACCOUNTINGS: tuple[str, ...] = get_args(Accounting)
 
@@ -158,7 +158,7 @@ def _untied_for_pipeline(model: ModelShape, pp: int) -> ModelShape:
 
 def local_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
     """Parameters the busiest GPU owns before ZeRO/FSDP sharding: the largest entry of
-    :func:`~pipeline.plan.topology.params_per_rank` (the engines' own split: decoder layers
+    :func:`~pipeline.plan.topology.params_per_stage` (the engines' own split: decoder layers
     split over TP, embedding, norms and lm_head replicated over TP; layers over stages by
     :func:`~pipeline.plan.topology.stage_layers`, the embedding on the first stage, the final
     norm and lm_head on the last)."""
@@ -167,8 +167,8 @@ def local_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:
     # A refused layout (pp > layers, tp not dividing the heads) still gets an estimate: the
     # pre-flight names the problem.
     pp = min(pp, model.num_layers)
-    return _scaled(model, max(params_per_rank(_untied_for_pipeline(model, pp), tp=tp, pp=pp,
-                                              exact=False).values()))
+    return _scaled(model, max(params_per_stage(_untied_for_pipeline(model, pp), tp=tp, pp=pp,
+                                               exact=False)))
 
 
 def decoder_unit_params(model: ModelShape, *, tp: int = 1, pp: int = 1) -> int:

@@ -13,7 +13,24 @@ from dataclasses import dataclass
 from typing import get_args
 
 from pipeline.config.files import field_default
-from pipeline.config.schema import Backend, ClusterConfig, FsdpSharding, PipelineSchedule, Precision
+from pipeline.config.schema import (
+    MAX_GLOBAL_BATCH,
+    MAX_GPU_MEM_GB,
+    MAX_GPUS_PER_NODE,
+    MAX_GRAD_ACCUM,
+    MAX_HOST_MEM_GB,
+    MAX_MICRO_BATCH,
+    MAX_NODES,
+    MAX_PP,
+    MAX_SEQ_LEN,
+    MAX_TP,
+    MAX_WORLD,
+    Backend,
+    ClusterConfig,
+    FsdpSharding,
+    PipelineSchedule,
+    Precision,
+)
 from pipeline.errors import PipelineError
 
 #: Config key path for each planner input (``config/config.yaml`` / ``pipeline/config/schema.py``).
@@ -51,9 +68,25 @@ GB = 1_000_000_000
 """Bytes per GB. Decimal, as the ZeRO paper (120 GB = 16 × 7.5e9) and GPU marketing use it."""
 
 
-def _positive_int(key: str, value: object) -> None:
+#: The largest value of each count the planner takes: the config's limits
+#: (``pipeline.config.types``). The planner's work grows with them (a table per TP rank and
+#: stage), so each is checked before any planning.
+LIMITS: dict[str, int] = {
+    "nodes": MAX_NODES, "gpus_per_node": MAX_GPUS_PER_NODE, "world_size": MAX_WORLD,
+    "seq_len": MAX_SEQ_LEN, "micro_batch_size": MAX_MICRO_BATCH, "grad_accum": MAX_GRAD_ACCUM,
+    "global_batch_size": MAX_GLOBAL_BATCH, "tp": MAX_TP, "pp": MAX_PP,
+}
+
+
+def check_count(key: str, value: object) -> None:
+    """``value`` is an integer from 1 to ``LIMITS[key]``, else an error naming the config key."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PipelineError(f"{KEYS[key]}: must be a positive integer, got {value!r}")
+    if value > LIMITS[key]:
+        raise PipelineError(f"{KEYS[key]}: {value} is more than {LIMITS[key]}, the largest the "
+                            "pipeline allows")
+
+
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,17 +112,18 @@ class Cluster:
     """The world size the launcher will really start, when known (e.g. ``SLURM_NTASKS``)."""
 
     def __post_init__(self) -> None:
-        _positive_int("nodes", self.nodes)
-        _positive_int("gpus_per_node", self.gpus_per_node)
-        if not self.gpu_mem_gb > 0:
-            raise PipelineError(f"{KEYS['gpu_mem_gb']}: must be > 0, got {self.gpu_mem_gb!r}")
-        if not self.host_mem_gb > 0:
-            raise PipelineError(f"{KEYS['host_mem_gb']}: must be > 0, got {self.host_mem_gb!r}")
+        check_count("nodes", self.nodes)
+        check_count("gpus_per_node", self.gpus_per_node)
+        for key, limit in (("gpu_mem_gb", MAX_GPU_MEM_GB), ("host_mem_gb", MAX_HOST_MEM_GB)):
+            value = getattr(self, key)
+            if not 0 < value <= limit:  # NaN and infinities fail this too
+                raise PipelineError(f"{KEYS[key]}: must be > 0 and at most {limit}, got "
+                                    f"{value!r}")
         if not 0 <= self.gpu_reserved_gb < self.gpu_mem_gb:
             raise PipelineError(
                 f"cluster.gpu_reserved_gb: must be in [0, gpu_mem_gb), got {self.gpu_reserved_gb!r}")
         if self.world_size is not None:
-            _positive_int("world_size", self.world_size)
+            check_count("world_size", self.world_size)
 
     @property
     def world(self) -> int:
@@ -121,12 +155,12 @@ class BatchSpec:
     ``None``: the ``auto`` ladder decides (it tries it before tensor and pipeline parallelism)."""
 
     def __post_init__(self) -> None:
-        _positive_int("seq_len", self.seq_len)
-        _positive_int("micro_batch_size", self.micro_batch_size)
+        check_count("seq_len", self.seq_len)
+        check_count("micro_batch_size", self.micro_batch_size)
         if self.grad_accum is not None:
-            _positive_int("grad_accum", self.grad_accum)
+            check_count("grad_accum", self.grad_accum)
         if self.global_batch_size is not None:
-            _positive_int("global_batch_size", self.global_batch_size)
+            check_count("global_batch_size", self.global_batch_size)
         if self.activation_checkpointing not in (None, True, False):
             raise PipelineError(f"{KEYS['activation_checkpointing']}: must be true or false, got "
                                 f"{self.activation_checkpointing!r}")
@@ -207,7 +241,7 @@ class Strategy:
         for key in ("tp", "pp"):
             value = getattr(self, key)
             if value is not None:
-                _positive_int(key, value)
+                check_count(key, value)
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import PipelineError
-from pipeline.plan.spec import KEYS
+from pipeline.plan.spec import KEYS, check_count
 
 if TYPE_CHECKING:
     from pipeline.config.presets import ModelShape
@@ -41,12 +41,8 @@ class ParallelDims:
     """Micro batches per optimizer step (DeepSpeed ``gradient_accumulation_steps``)."""
 
     def __post_init__(self) -> None:
-        for name, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"), ("tp", "tp"),
-                          ("pp", "pp"), ("micro_batch_size", "micro_batch_size"),
-                          ("grad_accum", "grad_accum")):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PipelineError(f"{KEYS[key]}: must be a positive integer, got {value!r}")
+        for key in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch_size", "grad_accum"):
+            check_count(key, getattr(self, key))
 
     @property
     def world(self) -> int:
@@ -191,10 +187,9 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     extra layers first leaves the last stage, which also holds the final norm and lm_head and
     computes the loss, the lighter block.
     """
-    for name, value in (("num_layers", num_layers), ("pp", pp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            key = KEYS["pp"] if name == "pp" else "model.num_layers"
-            raise PipelineError(f"{key}: must be a positive integer, got {value!r}")
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise PipelineError(f"model.num_layers: must be a positive integer, got {num_layers!r}")
+    check_count("pp", pp)
     if pp > num_layers:
         raise PipelineError(
             f"{KEYS['pp']}: PP={pp} exceeds the model's {num_layers} layers; every pipeline "
@@ -256,25 +251,31 @@ def params_per_rank(model: ModelShape, *, tp: int = 1, pp: int = 1,
     (the memory planner, for a layout the pre-flight refuses anyway) rounds TP slices up instead
     of raising.
     """
+    per_stage = params_per_stage(model, tp=tp, pp=pp, exact=exact)
+    return {(s, r): count for s, count in enumerate(per_stage) for r in range(tp)}
+
+
+def params_per_stage(model: ModelShape, *, tp: int = 1, pp: int = 1,
+                     exact: bool = True) -> list[int]:
+    """Parameters one TP rank of each pipeline stage holds (every TP rank of a stage holds the
+    same count): :func:`params_per_rank` without a key per TP rank (the planner's estimate
+    needs only the largest)."""
     if pp > 1 and model.tie_word_embeddings:
         raise PipelineError(
             f"{KEYS['pp']}: PP={pp} with tied embeddings: the embedding lives on the first stage "
             f"and lm_head on the last, so they cannot share one weight; set "
             f"model.tie_word_embeddings: false, or {KEYS['pp']}=1")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise PipelineError(f"{KEYS['tp']}: must be a positive integer, got {tp!r}")
+    check_count("tp", tp)
     per_layer = layer_params_per_tp_rank(model, tp, exact=exact)
     h = model.hidden_size
     embed = model.vocab_size * h
     head = h + (0 if model.tie_word_embeddings else model.vocab_size * h)
-    stages = stage_layers(model.num_layers, pp)
-    out: dict[tuple[int, int], int] = {}
-    for s, layers in enumerate(stages):
+    out = []
+    for s, layers in enumerate(stage_layers(model.num_layers, pp)):
         count = len(layers) * per_layer
         if s == 0:
             count += embed
         if s == pp - 1:
             count += head
-        for r in range(tp):
-            out[(s, r)] = count
+        out.append(count)
     return out

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.artifacts import OUTPUT_MARKER, replacing_dir
+from pipeline.artifacts import MAX_VOCAB_SIZE, OUTPUT_MARKER, replacing_dir
 from pipeline.errors import PipelineError
 from pipeline.text.encoders import GPT2_PATTERN as GPT2_PATTERN
 from pipeline.text.encoders import (
@@ -261,6 +261,9 @@ def train_tokenizer(
             f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 byte tokens + "
             f"{len(specials)} special token(s) + at least one merge; use >= {minimum}"
         )
+    if vocab_size > MAX_VOCAB_SIZE:  # the trainer would try to allocate for it
+        raise PipelineError(f"vocab_size {vocab_size} is more than {MAX_VOCAB_SIZE}, the largest "
+                            "vocabulary the pipeline trains (data.tokenizer.vocab_size)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -448,7 +451,7 @@ def _specs_from_json(text: str) -> list:
 def _parser() -> argparse.ArgumentParser:
     """Options that mirror a config key (``data.tokenizer.*``, ``data.sources[].*``) take its
     default and description from ``pipeline.config.schema``."""
-    from pipeline.config.files import mirror_argument
+    from pipeline.config.files import in_range, mirror_argument
     from pipeline.config.schema import TokenizerConfig
     from pipeline.text.readers import add_reader_arguments
 
@@ -473,7 +476,9 @@ def _parser() -> argparse.ArgumentParser:
     mirror_argument(tr, "--max-bytes", TokenizerConfig, "train_max_bytes")
     tr.add_argument("--special-token", action="append", help="extra special token (repeatable)")
     tr.add_argument("--bos-token", default=None, help="add this BOS token (default: none)")
-    tr.add_argument("--min-frequency", type=int, default=2)
+    tr.add_argument("--min-frequency", type=int, default=2,
+                    help="merge only pairs seen at least this often (default: 2)",
+                    **in_range(0, 2**32 - 1, "a count"))
     im = sub.add_parser("import", help="copy a local HF tokenizer dir or tokenizer.json into --out")
     im.add_argument("--path", required=True, help="HF tokenizer directory or tokenizer.json")
     im.add_argument("--out", required=True, help="output tokenizer directory")

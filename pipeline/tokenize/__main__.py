@@ -20,10 +20,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipeline.config.files import mirror_argument
-from pipeline.config.schema import DataConfig
+from pipeline.config.files import in_range, mirror_argument
+from pipeline.config.schema import MAX_SHARDS, DataConfig
 from pipeline.errors import PipelineError
 from pipeline.text.readers import add_reader_arguments
+
+#: Encoder threads one shard job may start.
+MAX_THREADS = 4096
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,10 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--tokenizer", required=True, help="HF tokenizer dir or tokenizer.json")
     mirror_argument(sh, "--seq-len", DataConfig, "seq_len", required=True)
     # Not data.shards' default: one command alone tokenizes everything unless told to split.
-    sh.add_argument(
-        "--shards", type=int, default=1, help="number of shard jobs, K (config: data.shards)"
-    )
-    sh.add_argument("--shard", type=int, default=0, help="this job's shard, 0 <= I < K")
+    mirror_argument(sh, "--shards", DataConfig, "shards", default=1,
+                    help="number of shard jobs, K (config: data.shards)")
+    sh.add_argument("--shard", type=int, default=0, help="this job's shard, 0 <= I < K",
+                    **in_range(0, MAX_SHARDS - 1, "a shard index"))
     sh.add_argument("--out", required=True, help="data directory (shards/ and manifest.json)")
     add_reader_arguments(sh)
     mirror_argument(sh, "--val-fraction", DataConfig, "val_fraction")
@@ -59,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-fast", action="store_true", help="use HF encode_batch, not the tiktoken fast path"
     )
     sh.add_argument(
-        "--threads", type=int, default=None, help="encoder threads (default: usable cores)"
+        "--threads", type=int, default=None, help="encoder threads (default: usable cores)",
+        **in_range(1, MAX_THREADS, "a thread count")
     )
     sh.add_argument("--no-progress", action="store_true")
     sh.add_argument(
@@ -69,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     ga = sub.add_parser("gather", help="write manifest.json from complete shards")
     ga.add_argument("--out", required=True)
-    ga.add_argument("--shards", type=int, required=True)
+    mirror_argument(ga, "--shards", DataConfig, "shards", required=True,
+                    help="number of shard jobs, K (config: data.shards)")
     ga.add_argument("--tokenizer", required=True)
     ga.add_argument(
         "--source",

@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from pipeline.artifacts import inside
 from pipeline.config.files import field_default
-from pipeline.config.schema import DataConfig
+from pipeline.config.schema import MAX_SEQ_LEN, MAX_SHARDS, DataConfig
 from pipeline.errors import PipelineError
 from pipeline.io import sha256_file
 from pipeline.text.encoders import HFEncoder, TiktokenEncoder, verify_encoder
@@ -395,6 +395,12 @@ def _check_args(seq_len: int, shards: int, shard: int, val_fraction: float) -> N
         raise PipelineError(
             f"--seq-len {seq_len} must be at least 2 (a sequence needs an input and a target)"
         )
+    # The caller's own limits too (the CLI's options check them as they parse): a row buffer
+    # is seq_len long, and every shard job plans its share of the corpus.
+    if seq_len > MAX_SEQ_LEN:
+        raise PipelineError(f"--seq-len {seq_len} is more than {MAX_SEQ_LEN} (data.seq_len)")
+    if shards > MAX_SHARDS:
+        raise PipelineError(f"--shards {shards} is more than {MAX_SHARDS} (data.shards)")
     if shards < 1 or not 0 <= shard < shards:
         raise PipelineError(f"--shard {shard} must be in 0..{shards - 1} (--shards {shards})")
     if not 0.0 <= val_fraction < 1.0:

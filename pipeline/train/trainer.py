@@ -9,6 +9,10 @@ in the run dir is spelled in ``pipeline.artifacts``.
 Exit codes (``pipeline.artifacts``): ``EXIT_OK`` finished (``train.done`` written);
 ``EXIT_REQUEUE`` stopped on request after a complete checkpoint (the launcher requeues);
 anything else failed.
+
+Fault injection for tests: ``ZEROSNAKE_FAULT_NAN_AT_STEP=N`` makes step N's loss read as NaN
+(a diverging run on demand: ``train.lr`` is at most 1, and no legal rate diverges at a known
+step).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pipeline.artifacts import (
     RUN_CONFIG,
     STOP,
     STOPPED,
+    read_artifact,
     write_train_done,
 )
 from pipeline.checkpoint import format as ck
@@ -44,12 +49,14 @@ from pipeline.cluster.env import ATTEMPT_ENV, RankEnv
 from pipeline.config.files import load_run_config
 from pipeline.config.schema import RunConfig
 from pipeline.errors import PipelineError
-from pipeline.io import read_json, sha256_file, write_json_atomic
+from pipeline.io import sha256_file, write_json_atomic
 from pipeline.model.build import build_model, device_peak_flops, model_flops_per_token
 from pipeline.train.parallel import build_mesh, dp_coords, parallel_dims, reports_loss
 from pipeline.train.recorder import Recorder
 
 log = logging.getLogger("pipeline.train")
+
+NAN_AT_STEP_ENV = "ZEROSNAKE_FAULT_NAN_AT_STEP"
 
 
 class StopRequest:
@@ -225,7 +232,9 @@ class Trainer:
             from pipeline.train.engines import DeepSpeedEngine
 
             # DeepSpeed builds its own groups (it takes sizes, not a DeviceMesh): pure DP here.
-            return DeepSpeedEngine(model, self.run, read_json(self.run_dir / DS_CONFIG))
+            ds_config = read_artifact(self.run_dir / DS_CONFIG, "DeepSpeed config",
+                                      hint="render the run again")
+            return DeepSpeedEngine(model, self.run, ds_config)
         if t.backend == "ddp":
             from pipeline.train.ddp import DDPEngine
 
@@ -276,6 +285,8 @@ class Trainer:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         mean_loss = loss.item() / self.dims.dp
         state.step += 1
+        if os.environ.get(NAN_AT_STEP_ENV) == str(state.step):
+            mean_loss = math.nan
         state.tokens_seen += self.tokens_per_step
         dt = time.perf_counter() - t0
         if not math.isfinite(mean_loss):

@@ -2,9 +2,9 @@
 non-zero exit status, one message that names the key or file, no traceback, and every file
 around it exactly as it was.
 
-Each module here is one class of input (config, sources, tokenizer, artifacts, checkpoints,
-command lines, paths). A case runs the real command (``python -m pipeline.<stage> ...``, or
-Snakemake) in a subprocess and checks it with :func:`assert_refused`.
+Each module here is one class of input (config, sources, tokenizer, artifacts, run files,
+checkpoints, command lines, paths). A case runs the real command (``python -m
+pipeline.<stage> ...``, or Snakemake) in a subprocess and checks it with :func:`assert_refused`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 tampered shards, corrupt shard stats files, torn metrics lines, malformed consolidation records
 and model folders, malformed run directories. A stage refuses each with one line naming the
 file (and the key), no traceback and nothing changed; evaluate finishes over a torn
-metrics.jsonl, and status shows every other run when one is malformed."""
+metrics.jsonl, and status shows every other run when one is malformed. A manifest's numbers
+are bounded: a vocabulary or sequence length past the pipeline's limit is the manifest's fault,
+never the GPU memory's.
+
+Cases: 15 data manifests (2 of them claiming sizes of 10^12), 2 shards, 6 shard stats files
+(gather), 6 metrics files and model folders (evaluate), 3 run directories (status); the run
+files read by report, status and a resume are tests/bad_input/test_run_file_inputs.py's."""
 
 from __future__ import annotations
 
@@ -141,6 +147,24 @@ def test_manifest_eos_beyond_the_vocabulary_is_refused_by_render(tmp_path, data)
                "--run", "fsdp", "--out", str(tmp_path / "runs" / "fsdp"),
                "--data-manifest", str(data / "manifest.json")], tmp_path)
     assert_refused(res, "manifest.json", "'tokenizer.eos_id'", before=before, roots=[tmp_path])
+
+
+def test_manifest_claiming_a_vocabulary_of_1e12_is_blamed_on_the_manifest(tmp_path, data) -> None:
+    # Not on cluster.gpu_mem_gb: the planner never sizes a model for it.
+    _edit_manifest(data, lambda m: m["tokenizer"].__setitem__("vocab_size", 10**12))
+    before = snapshot(tmp_path)
+    res = run(["-m", "pipeline.render", "--config", str(REPO / "config" / "config.yaml"),
+               "--run", "fsdp", "--out", str(tmp_path / "runs" / "fsdp"),
+               "--data-manifest", str(data / "manifest.json")], tmp_path)
+    assert_refused(res, "manifest.json", "vocabulary", "1,000,000,000,000", "tokenize again",
+                   before=before, roots=[tmp_path])
+    assert "gpu_mem_gb" not in res.stderr
+
+
+def test_manifest_claiming_rows_of_1e12_tokens_is_refused_by_evaluate(
+        tmp_path, data, run_dir, fake_hf) -> None:
+    _edit_manifest(data, lambda m: m.__setitem__("seq_len", 10**12))
+    _manifest_case(tmp_path, data, run_dir, fake_hf, "sequence length", "1,000,000,000,000")
 
 
 # --- shards ----------------------------------------------------------------------------------

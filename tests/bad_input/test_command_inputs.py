@@ -2,7 +2,15 @@
 point at a folder the command did not write (``.``, ``/``, a run or data directory, a file),
 inputs that do not exist, out-of-range numbers and hostile strings. Each is refused with one
 line naming the option or the path, no traceback, and every file around it unchanged: a
-command writes a folder only when it is new, empty, or one it wrote before."""
+command writes a folder only when it is new, empty, or one it wrote before. Every size and
+count a command takes is bounded as its options are parsed, before any work (an option that
+mirrors a config key names the key and holds its limits).
+
+Cases: 40 output paths, missing inputs and out-of-range options, stage by stage (tokenize 11,
+tokenizer 8, render 8, evaluate 9; status, train launch and consolidate 4); 23 sizes, counts
+and durations past their limits (22 options of tokenize, tokenizer, plan, render and train
+launch; a model file's).
+"""
 
 from __future__ import annotations
 
@@ -128,7 +136,7 @@ def test_tokenizer_train_out_under_a_file(proj: Path) -> None:
 def test_tokenizer_train_vocab_too_small(proj: Path) -> None:
     argv = _train()
     argv[argv.index("300")] = "10"
-    _refused(proj, argv, "vocab_size 10", "too small")
+    _refused(proj, argv, "--vocab-size 10", "at least 260", "data.tokenizer.vocab_size")
 
 
 def test_tokenizer_train_max_bytes_zero(proj: Path) -> None:
@@ -272,3 +280,59 @@ def test_train_launch_run_dir_without_config(proj: Path) -> None:
 def test_consolidate_out_dot(proj: Path) -> None:
     _refused(proj, ["-m", "pipeline.consolidate", "--run-dir", RUN, "--data-dir", DATA,
                     "--out", "."], ". exists", "not written by this command")
+
+
+# --- sizes and counts: bounded as the options are parsed, before any work --------------------
+
+_PLAN = ["-m", "pipeline.plan", "--model", "tiny"]
+_GATHER = ["-m", "pipeline.tokenize", "gather", "--out", DATA, "--tokenizer", TOK]
+_LAUNCH = ["-m", "pipeline.train", "launch", "--run-dir", RUN, "--data-dir", DATA]
+
+# (id, argv, needles): every count or size a command takes, past its limit (an option that
+# mirrors a config key names the key).
+SIZES: list[tuple[str, list[str], tuple[str, ...]]] = [
+    ("shard-seq-len-1e12", _shard("--seq-len", str(10**12)),
+     ("--seq-len 1000000000000", "at most 1048576", "data.seq_len")),
+    ("shard-shards-1e9", _shard("--shards", str(10**9)), ("--shards 1000000000", "data.shards")),
+    ("shard-index-1e9", _shard("--shard", str(10**9)), ("--shard 1000000000",)),
+    ("shard-threads-1e9", _shard("--threads", str(10**9)), ("--threads 1000000000",)),
+    ("shard-val-fraction-nan", _shard("--val-fraction", "nan"),
+     ("--val-fraction nan", "data.val_fraction")),
+    ("gather-shards-1e9", [*_GATHER, "--shards", str(10**9)], ("--shards 1000000000",)),
+    ("tokenizer-vocab-1e9", _train("--vocab-size", str(10**9)),
+     ("--vocab-size 1000000000", "at most 1048576", "data.tokenizer.vocab_size")),
+    ("tokenizer-max-bytes-absurd", _train("--max-bytes", str(10**15)),
+     ("--max-bytes", "data.tokenizer.train_max_bytes")),
+    ("tokenizer-min-frequency-negative", _train("--min-frequency", "-1"),
+     ("--min-frequency -1",)),
+    ("plan-tp-1e9", [*_PLAN, "--tp", str(10**9)], ("--tp 1000000000", "train.tp")),
+    ("plan-pp-1e9", [*_PLAN, "--pp", str(10**9)], ("--pp 1000000000", "train.pp")),
+    ("plan-micro-batch-1e9", [*_PLAN, "--micro-batch", str(10**9)],
+     ("--micro-batch", "train.micro_batch_size")),
+    ("plan-grad-accum-zero", [*_PLAN, "--grad-accum", "0"], ("--grad-accum 0", "at least 1")),
+    ("plan-global-batch-absurd", [*_PLAN, "--global-batch", str(10**12)],
+     ("--global-batch", "train.global_batch_size")),
+    ("plan-nodes-1e9", [*_PLAN, "--nodes", str(10**9)], ("--nodes", "cluster.nodes")),
+    ("plan-gpu-mem-inf", [*_PLAN, "--gpu-mem-gb", "inf"], ("--gpu-mem-gb inf", "finite")),
+    ("plan-params-1e30", ["-m", "pipeline.plan", "--params", "1e30"], ("--params",)),
+    ("plan-params-nan", ["-m", "pipeline.plan", "--params", "nan"], ("--params nan",)),
+    ("render-vocab-1e12", _render("results/runs/fsdp", "--vocab-size", str(10**12)),
+     ("--vocab-size 1000000000000",)),
+    ("launch-poll-nan", [*_LAUNCH, "--poll-s", "nan"], ("--poll-s", "nan is out of range")),
+    ("launch-time-negative", [*_LAUNCH, "--time-min", "-5"], ("--time-min", "-5 is out of")),
+    ("launch-failures-1e12", [*_LAUNCH, "--max-failures", str(10**12)], ("--max-failures",)),
+]
+
+
+@pytest.mark.parametrize(("argv", "needles"), [c[1:] for c in SIZES], ids=[c[0] for c in SIZES])
+def test_a_size_past_its_limit_is_refused_before_any_work(proj: Path, argv: list[str],
+                                                          needles: tuple[str, ...]) -> None:
+    _refused(proj, argv, *needles)
+
+
+def test_plan_of_a_model_file_with_absurd_numbers(proj: Path) -> None:
+    shape = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 10**9, "num_attention_heads": 32}
+    (proj / "model.json").write_text(json.dumps(shape))
+    _refused(proj, ["-m", "pipeline.plan", "--model", "model.json"], "model.num_layers",
+             "1000000000")

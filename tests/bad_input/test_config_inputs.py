@@ -4,12 +4,19 @@ mistake, the line), with no traceback and nothing written.
 
 Most cases run ``config check`` (fast); the last ones run real Snakemake on the same file and
 assert that both refuse it with the same words, and that both see the same runs.
+
+Cases: 53 files through ``config check`` (floats 13; sizes and counts 16, 10 of them layout
+numbers that would hang the planner; ``train.lr`` past its promised limit 2; missing paths 5;
+run names 6; YAML itself 10; the pre-flight 1); a value past each limit the README promises
+(7, and one check that each is the schema's); a JSON duplicate key; 6 of the files through
+Snakemake too; 2 merges with the workflow's default config.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,6 +89,23 @@ CASES: list[tuple[str, str | bytes, tuple[str, ...]]] = [
     ("max-steps-absurd", set_("train.max_steps", 10**15), ("train.max_steps",)),
     ("seed-negative", set_("train.seed", -1), ("train.seed",)),
     ("head-dim-odd", mutated(bad_head_dim), ("model.hidden_size / model.num_heads",)),
+    # Every layout number is bounded in the typed parse, before the planner sizes anything
+    # (it would build a table per TP rank and pipeline stage).
+    ("tp-1e9", set_("train.tp", 10**9), ("train.tp", "less than or equal to 1024")),
+    ("pp-1e9", set_("train.pp", 10**9), ("train.pp", "less than or equal to 4096")),
+    ("tp-1e9-in-a-run", runs({"fsdp": {"train": {"tp": 10**9}}}), ("runs.fsdp.train.tp",)),
+    ("pp-1e9-in-a-run", runs({"fsdp": {"train": {"pp": 10**9}}}), ("runs.fsdp.train.pp",)),
+    ("micro-batch-absurd", set_("train.micro_batch_size", 10**9), ("train.micro_batch_size",)),
+    ("grad-accum-absurd", set_("train.grad_accum", 10**9), ("train.grad_accum",)),
+    ("global-batch-absurd", set_("train.global_batch_size", 10**12),
+     ("train.global_batch_size",)),
+    ("num-layers-absurd", set_("model.num_layers", 10**9), ("model.num_layers",)),
+    ("loss-scale-absurd", set_("train.loss_scale_init", 1e300), ("train.loss_scale_init",)),
+    ("too-many-sources", set_("data.sources", [{"path": "<stdlib>/a*.py"}] * 1025),
+     ("data.sources", "at most 1024")),
+    # The README's promised limit: train.lr <= 1 (1e3 for 1e-3 is a typo, not a run).
+    ("lr-5", set_("train.lr", 5.0), ("train.lr", "less than or equal to 1")),
+    ("lr-1e3-in-a-run", runs({"fsdp": {"train": {"lr": 1e3}}}), ("runs.fsdp.train.lr",)),
     # Paths the run needs that are not there.
     ("init-from-missing", runs({"fsdp": {"model": {"init_from": "no/such/model"}}}),
      ("runs.fsdp.model.init_from", "does not exist")),
@@ -131,6 +155,36 @@ def test_config_check_refuses(tmp_path: Path, text: str | bytes, needles: tuple[
     before = snapshot(tmp_path)
     res = run(["-m", "pipeline.config", "check", cfg.name], cwd=tmp_path, timeout=60)
     assert_refused(res, *needles, before=before, roots=[tmp_path])
+
+
+#: The limits the README promises ("values beyond sane maxima (`cluster.nodes` ≤ 100000, ...").
+README_LIMITS = re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)` ≤\s+([0-9]+)",
+                           (REPO / "README.md").read_text())
+
+
+def _schema_maximum(dotted: str) -> float:
+    schema = json.loads((REPO / "config" / "schema.json").read_text())
+    node = schema
+    for key in dotted.split("."):
+        node = node["properties"][key]
+        if "$ref" in node:
+            node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
+    return node["maximum"]
+
+
+def test_the_readmes_limits_are_the_schemas():
+    assert len(README_LIMITS) >= 7, README_LIMITS
+    for key, limit in README_LIMITS:
+        assert _schema_maximum(key) == float(limit), key
+
+
+@pytest.mark.parametrize(("key", "limit"), README_LIMITS, ids=[k for k, _ in README_LIMITS])
+def test_a_value_past_a_readme_limit_stops_the_start(tmp_path: Path, key: str, limit: str):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(set_(key, 2 * int(limit) if key != "train.lr" else 5.0))
+    before = snapshot(tmp_path)
+    res = run(["-m", "pipeline.config", "check", cfg.name], cwd=tmp_path, timeout=60)
+    assert_refused(res, key, f"less than or equal to {limit}", before=before, roots=[tmp_path])
 
 
 def test_json_duplicate_key_is_refused(tmp_path: Path):
