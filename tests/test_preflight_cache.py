@@ -38,7 +38,7 @@ def test_a_pass_is_recorded_and_reused(cfg, calls, tmp_path):
                                                                                     "cached")
     assert calls == names
     marker = json.loads(next(tmp_path.glob("*.ok")).read_text())
-    assert "render.py" in marker["code"] and "config.py" in marker["code"]
+    assert "plan/run.py" in marker["code"] and "config/schema.py" in marker["code"]
 
 
 def test_another_config_is_checked_again(cfg, calls, tmp_path):

@@ -176,7 +176,7 @@ def test_disagreeing_fast_path_falls_back_with_warning(tok_dir: Path, monkeypatc
 
 
 def test_cli_help_and_errors(tmp_path: Path) -> None:
-    run = [sys.executable, "-m", "pipeline.text.tokenizer"]
+    run = [sys.executable, "-m", "pipeline.tokenize", "tokenizer"]
     r = subprocess.run([*run, "train", "--help"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "--vocab-size" in r.stdout
     r = subprocess.run(

@@ -33,7 +33,7 @@ from typing import Any
 CACHE_DIR = Path(".snakemake") / "zerosnake" / "preflight"
 #: Installed distributions whose version can change a verdict.
 _DISTRIBUTIONS = ("deepspeed", "torch", "pydantic")
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # pipeline/, this module being in plan/
 
 
 @lru_cache(maxsize=1)
