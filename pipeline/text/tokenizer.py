@@ -46,7 +46,7 @@ EOS_TOKEN = "<|endoftext|>"
 #: word grows with its length times the merges (a whitespace-free input is one word per piece:
 #: 50 MB of "a" did not finish in 15 minutes), so for training only, a run of more
 #: non-whitespace (or whitespace) characters than this is cut into pieces of this many before
-#: the byte-level pre-tokenizer sees them (6 s for the same input). Natural words are far
+#: the byte-level pre-tokenizer sees them (4 to 7 s for the same input). Natural words are far
 #: shorter; no learned token can be longer; encoding is not cut.
 TRAIN_MAX_RUN = 256
 # \G continues a cut run where the last piece ended; the lookbehind starts one only at a run's
