@@ -186,9 +186,12 @@ def consolidate(
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     cap = parse_size(max_shard_size)
-    run = load_run_config(run_dir / af.RUN_CONFIG)
     # Before any work: never clobber a stranger, nor another run's hf/ (same marker, its run).
-    af.check_replaceable(out, af.HF_PROVENANCE, owner={"run": run.name})
+    view = af.read_json_or_none(run_dir / af.RUN_CONFIG)
+    name = view.get("name") if isinstance(view, dict) else None
+    af.check_replaceable(out, af.HF_PROVENANCE,
+                         owner={"run": name if isinstance(name, str) else run_dir.name})
+    run = load_run_config(run_dir / af.RUN_CONFIG)
     done = af.read_train_done(run_dir)
     name = done.get("checkpoint")
     if not isinstance(name, str) or not af.STEP_RE.match(name):

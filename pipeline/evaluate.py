@@ -429,7 +429,9 @@ def evaluate(model_dir: Path, data_dir: Path, run_dir: Path, out: Path,
 def log_to_trackers(run_dir: Path, metrics: dict[str, Any]) -> None:
     """The evaluation's figures into the tracker runs training opened (``trackers.json``):
     ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``, ``eval/lm_eval/<task>/<metric>``
-    at the evaluated step."""
+    at the evaluated step. Called once the results are written: a tracker that is missing,
+    fails or does not answer in time is a warning (``pipeline.observe.trackers``), never a
+    failed stage."""
     from pipeline.observe.trackers import Trackers
 
     config = af.read_run_config_view(run_dir) or {}

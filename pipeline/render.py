@@ -19,6 +19,7 @@ from pipeline import artifacts as af
 from pipeline.config.files import in_range, load_config, parse_run_config
 from pipeline.errors import PipelineError
 from pipeline.io import write_json_atomic, write_text_atomic
+from pipeline.observe.packages import check_packages
 from pipeline.plan.run import render_run
 
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             manifest = None
             vocab_size = args.vocab_size or run.data.tokenizer.vocab_size
+        check_packages(run.train.trackers)  # the train job would stop at its start without them
         files = render_run(run, vocab_size=vocab_size, manifest=manifest)
         check_run_out(args.out, run.name)
         try:

@@ -132,13 +132,29 @@ def startup_checks(cfg: Any, *, preflight: bool = True,
     """Everything a workflow start checks after the typed parse, in one place for the
     Snakefile (``workflow/rules/common.smk``) and ``python -m pipeline.config check``: the
     expansion of ``data.sources`` (a source matching no file is an error) and, with
-    ``preflight``, every run's pre-flight (:func:`preflight_runs`). Returns the source files."""
+    ``preflight``, that every run's ``train.trackers`` are installed and every run's
+    pre-flight (:func:`preflight_runs`). Returns the source files."""
     from pipeline.config.files import expand_sources
 
     files = expand_sources(cfg.data.sources)
     if preflight:
+        check_trackers(cfg)
         preflight_runs(cfg, cache_dir=cache_dir)
     return files
+
+
+def check_trackers(cfg: Any) -> None:
+    """Every run's ``train.trackers`` packages are installed (looked up, not imported; never
+    cached: installing or removing a package changes no key), so a run that would stop at its
+    first step for a missing ``wandb`` is refused before anything is queued."""
+    from pipeline.errors import PipelineError
+    from pipeline.observe.packages import check_packages
+
+    for name in cfg.run_names():
+        try:
+            check_packages(cfg.run(name).train.trackers)
+        except PipelineError as err:
+            raise PipelineError(f"run {name!r} (runs.{name}): {err}") from None
 
 
 def _record(marker: Path, name: str) -> None:

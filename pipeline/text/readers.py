@@ -370,12 +370,18 @@ def iter_texts(
     examples: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Every document of ``spec`` as text (big documents as pieces), at most ``max_bytes``
-    bytes in all; used to train tokenizers. Skip counts are accumulated into ``skipped``, the
-    first skipped document of each reason into ``examples``."""
+    bytes in all; used to train tokenizers. A big document is read, and checked, only as far
+    as the budget left reaches. Skip counts are accumulated into ``skipped``, the first skipped
+    document of each reason into ``examples``."""
     reader = DocReader(spec, on_invalid=on_invalid)
     budget = max_bytes
     try:
         for doc in reader.read(plan(spec.resolve(), 1, 0)):
+            if budget is not None:
+                if budget <= 0:
+                    return
+                if isinstance(doc, BigDoc):
+                    doc = doc.first(budget)
             texts = (
                 [doc] if isinstance(doc, str) else (doc.pieces() if reader.scan_big(doc) else [])
             )

@@ -32,7 +32,7 @@ import os
 import re
 import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -276,6 +276,15 @@ class BigDoc:
     compression: str | None
     start: int
     end: int | None  # None: to the end of the file
+    #: The range ends where a byte budget stops reading, not where the document ends: a
+    #: character cut there is dropped, not counted as invalid UTF-8.
+    head: bool = False
+
+    def first(self, n: int) -> BigDoc:
+        """The document's first ``n`` bytes (all that a budget of ``n`` reads, so all that
+        need be checked: a small ``.gz`` may inflate to gigabytes)."""
+        end = self.start + n if self.end is None else min(self.end, self.start + n)
+        return self if end == self.end else replace(self, end=end, head=True)
 
     def chunks(self, size: int = READ_CHUNK) -> Iterator[bytes]:
         """The raw bytes of the document, in chunks (a read error names the file)."""
@@ -317,7 +326,7 @@ class BigDoc:
                 n += len(c)
                 s = dec.decode(c)
                 nonblank = nonblank or bool(s.strip())
-            dec.decode(b"", final=True)
+            dec.decode(b"", final=not self.head)
         except UnicodeDecodeError:
             return False, h.digest(), n, nonblank
         return True, h.digest(), n, nonblank
@@ -335,7 +344,7 @@ class BigDoc:
                 cut = _find_cut(carry, piece_chars)
                 yield carry[:cut]
                 carry = carry[cut:]
-        carry += dec.decode(b"", final=True)
+        carry += dec.decode(b"", final=not self.head)
         if carry:
             yield carry
 

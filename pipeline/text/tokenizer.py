@@ -42,6 +42,16 @@ from pipeline.text.encoders import byte_decoder as byte_decoder
 from pipeline.text.encoders import cpu_count as cpu_count
 
 EOS_TOKEN = "<|endoftext|>"
+#: The longest run the BPE trainer sees as one word, in characters. The trainer's work on one
+#: word grows with its length times the merges (a whitespace-free input is one word per piece:
+#: 50 MB of "a" did not finish in 15 minutes), so for training only, a run of more
+#: non-whitespace (or whitespace) characters than this is cut into pieces of this many before
+#: the byte-level pre-tokenizer sees them (4 to 7 s for the same input). Natural words are far
+#: shorter; no learned token can be longer; encoding is not cut.
+TRAIN_MAX_RUN = 256
+# \G continues a cut run where the last piece ended; the lookbehind starts one only at a run's
+# first character, so each character is looked at a bounded number of times.
+_LONG_RUN = r"(?:(?<!\S)|\G)\S{{{n}}}|(?:(?<!\s)|\G)\s{{{n}}}"
 #: What a tokenizer folder written before output markers existed may hold (and be replaced).
 TOKENIZER_DIR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                        "vocab.json", "merges.txt", "chat_template.jinja")
@@ -246,11 +256,13 @@ def train_tokenizer(
     """Train a byte-level BPE on ``texts`` and save an HF tokenizer directory at ``out_dir``.
 
     ``special_tokens`` get the first ids (``<|endoftext|>`` is always included and is the EOS);
-    ``bos_token``, when given, is added as a special token and recorded as ``bos_token``.
+    ``bos_token``, when given, is added as a special token and recorded as ``bos_token``. Runs
+    longer than :data:`TRAIN_MAX_RUN` characters are cut for training (the saved tokenizer's
+    pre-tokenizer is the plain byte-level one).
     Written atomically: into a temporary sibling directory, then swapped in; an existing
     ``out_dir`` is replaced only if this command wrote it (``pipeline.artifacts.replacing_dir``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     specials = list(
         dict.fromkeys([EOS_TOKEN, *special_tokens, *([bos_token] if bos_token else [])])
@@ -265,7 +277,9 @@ def train_tokenizer(
         raise PipelineError(f"vocab_size {vocab_size} is more than {MAX_VOCAB_SIZE}, the largest "
                             "vocabulary the pipeline trains (data.tokenizer.vocab_size)")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LONG_RUN.format(n=TRAIN_MAX_RUN)), "isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -284,6 +298,7 @@ def train_tokenizer(
             yield t
 
     tok.train_from_iterator(counted(), trainer=trainer)
+    tok.pre_tokenizer = byte_level  # the cut shapes training only: encoding splits as GPT-2 does
     if n_docs == 0:
         raise PipelineError(
             "no usable documents to train the tokenizer on: check --input, --format and "
