@@ -318,8 +318,8 @@ SIZES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("plan-params-nan", ["-m", "pipeline.plan", "--params", "nan"], ("--params nan",)),
     ("render-vocab-1e12", _render("results/runs/fsdp", "--vocab-size", str(10**12)),
      ("--vocab-size 1000000000000",)),
-    ("launch-poll-nan", [*_LAUNCH, "--poll-s", "nan"], ("--poll-s", "nan is out of range")),
-    ("launch-time-negative", [*_LAUNCH, "--time-min", "-5"], ("--time-min", "-5 is out of")),
+    ("launch-poll-nan", [*_LAUNCH, "--poll-s", "nan"], ("--poll-s nan", "give seconds from")),
+    ("launch-time-negative", [*_LAUNCH, "--time-min", "-5"], ("--time-min -5", "give minutes from")),
     ("launch-failures-1e12", [*_LAUNCH, "--max-failures", str(10**12)], ("--max-failures",)),
 ]
 
