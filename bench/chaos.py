@@ -13,7 +13,8 @@ would be restarted). Fault kinds:
 - ``kill_in_save``: SIGKILL of a random rank while a checkpoint is being written;
 - ``time_limit``: the time-limit warning (SIGUSR2 to the ranks): checkpoint, exit, restart;
 - ``kill_tree``: SIGKILL of the whole launcher tree (launcher, job, node task, torchrun, ranks);
-- ``corrupt_newest``: the tree killed, then bytes of the newest checkpoint flipped on disk;
+- ``corrupt_newest``: the tree killed, then bytes of the newest of two or more checkpoints flipped
+  on disk (the resume moves it aside and takes the older one);
 - ``disk_full``: the run directory's filesystem (a tmpfs mounted here; needs root) filled while
   the ranks train, until a save fails; then freed;
 - ``freeze_rank``: SIGSTOP of a random rank (the launcher's hang watchdog must act).
@@ -43,7 +44,7 @@ from pathlib import Path
 import psutil
 
 from bench.trainer import REPO, env
-from pipeline.artifacts import latest_checkpoint
+from pipeline.artifacts import checkpoint_steps
 
 KINDS = ("kill_rank", "kill_in_save", "time_limit", "kill_tree", "corrupt_newest", "disk_full",
          "freeze_rank")
@@ -217,9 +218,11 @@ class Driver:
         if kind == "kill_in_save":
             return self._kill_in_save(target, starts)
         if kind == "corrupt_newest":
-            # A checkpoint to corrupt first: the first one is written at checkpoint_every.
+            # Two complete checkpoints first: the newest is corrupted, the older one resumed
+            # (with none left that verifies, a resume stops and names the folders it moved
+            # aside, as a person must decide then; that is tests/bad_input's case, not chaos).
             self.ensure()
-            self.wait(lambda: latest_checkpoint(self.run_dir) is not None, timeout=300)
+            self.wait(lambda: len(self.complete()) >= 2, timeout=300)
         if kind == "disk_full":
             return self._disk_full(target, starts)
         if not self.training(target):
@@ -254,10 +257,16 @@ class Driver:
         self.recovered(starts)
         return True
 
+    def complete(self) -> list[Path]:
+        """The run's complete checkpoints (manifest written), oldest first."""
+        return [p for _, p in checkpoint_steps(self.run_dir / "checkpoints")
+                if (p / "manifest.json").is_file()]
+
     def _corrupt_newest(self) -> bool:
-        newest = latest_checkpoint(self.run_dir)
-        if newest is None:
+        done = self.complete()
+        if len(done) < 2:
             return False
+        newest = done[-1]
         files = sorted((p for p in newest.rglob("*") if p.is_file() and p.name != "manifest.json"),
                        key=lambda p: p.stat().st_size)
         victim = files[-1]
