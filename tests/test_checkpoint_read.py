@@ -57,14 +57,15 @@ def test_every_file_is_verified_by_some_rank_and_shards_by_their_own() -> None:
 
 
 def _manager_warnings() -> list[str]:
-    """The checkpoint manager's log messages of this process, as they come."""
+    """The checkpoint package's log messages of this process (the manager's, and the format's
+    for a folder moved aside), as they come."""
     messages: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    logging.getLogger("pipeline.checkpoint.manager").addHandler(Keep())
+    logging.getLogger("pipeline.checkpoint").addHandler(Keep())
     return messages
 
 
@@ -75,6 +76,7 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     import torch
 
+    from pipeline.errors import PipelineError
     from pipeline.train.engines import FSDPEngine
 
     result = []
@@ -86,13 +88,19 @@ def _worker(rank: int, store: str, roots: list[str], out: str) -> None:
         # makes at its start (load_targets) for the load to fill.
         param = torch.nn.Parameter(torch.ones(3, 5))
         engine = SimpleNamespace(opt=torch.optim.AdamW([param]))
-        path = manager.resume(reuse=lambda engine=engine: FSDPEngine.load_targets(engine))
+        try:
+            path = manager.resume(reuse=lambda engine=engine: FSDPEngine.load_targets(engine))
+        except PipelineError as err:  # every checkpoint damaged: moved aside, no fresh start
+            path, result_error = None, str(err)
+        else:
+            result_error = None
         verified = manager._verified
         state = engine.opt.state.get(param, {})
         result.append({"path": None if path is None else Path(path).name,
                        "kept": sorted(verified.data) if verified is not None else None,
                        "moments": sorted(k for k, v in state.items() if k != "step"
-                                         and v.shape == param.shape)})
+                                         and v.shape == param.shape),
+                       "error": result_error})
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"result": result, "log": messages}))
 
@@ -107,7 +115,7 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
     monkeypatch.setattr(fastio, "BLOCK_BYTES", 8 << 20)
     shard = tmp_path / "shard" / "checkpoints"    # newest: a byte of rank 1's shard flipped
     unread = tmp_path / "unread" / "checkpoints"  # newest: a byte of a file no rank reads
-    alone = tmp_path / "alone" / "checkpoints"    # the only one, corrupt: no resume at all
+    alone = tmp_path / "alone" / "checkpoints"    # the only one, corrupt: stop, naming it
     for root in (shard, unread):
         _checkpoint(root, 1)
     _flip(_checkpoint(shard, 2) / "dcp/__1_0.distcp", (3 << 20) - 7)
@@ -126,6 +134,13 @@ def test_a_corrupt_file_fails_on_every_rank_and_the_previous_checkpoint_resumes(
         # The moments made for a checkpoint that verifies are there for the engine's load;
         # with nothing to load they are dropped (uninitialized memory is no Adam state).
         assert [x["moments"] for x in got["result"]] == [["exp_avg", "exp_avg_sq"]] * 2 + [[]]
+        # The only checkpoint damaged: moved aside (kept), and every rank stops naming it
+        # rather than train from step 0 unnoticed.
+        assert "no checkpoint in" in got["result"][2]["error"]
+        assert "step-000001.damaged-" in got["result"][2]["error"]
+    assert [p.name.split(".")[0] for p in alone.iterdir()] == ["step-000001"]
+    (moved,) = [p.name for p in shard.iterdir() if ".damaged-" in p.name]
+    assert moved.startswith("step-000002")
     warnings = ranks[0]["log"]
     assert any("step-000002" in w and "dcp/__1_0.distcp does not match its checksum "
                "(verified by rank 1)" in w for w in warnings), warnings
@@ -223,8 +238,9 @@ def test_a_block_damaged_since_the_save_is_found_as_the_engine_reads_and_the_old
         # Every rank fell back together; every tensor holds step 1's values, none step 2's.
         assert (two["loaded"], two["step"], two["values"]) == ("step-000001", 1, [1.0])
         assert alone["chosen"] == "step-000001" and "loaded" not in alone
-        assert "no older checkpoint of this run verifies" in alone["error"].lower()
-        assert "move " in alone["error"] and "step-000001" in alone["error"]
+        # Moved aside (kept for a person), and every rank stops naming it.
+        assert "no checkpoint in" in alone["error"] and "moved aside" in alone["error"]
+        assert "step-000001.damaged-" in alone["error"]
     assert any("step-000002" in w and f"bytes {(5 << 20) // block * block}-" in w
                and "__1_0.distcp" in w
                for w in ranks[0]["log"]), ranks[0]["log"]
