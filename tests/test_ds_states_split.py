@@ -32,6 +32,7 @@ deepspeed = import_deepspeed()  # as the pipeline does: op loads safe from a sta
 from pipeline.checkpoint import format as ck
 from pipeline.checkpoint import fastio
 from pipeline.checkpoint.manager import CheckpointManager
+from pipeline.errors import PipelineError
 from pipeline.train.engines import DeepSpeedEngine
 
 rank, root, out = int(os.environ["RANK"]), Path(sys.argv[1]), Path(sys.argv[2])
@@ -41,7 +42,7 @@ cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
        "bf16": {"enabled": sys.argv[4] == "bf16"}}
 dtype = torch.bfloat16 if sys.argv[4] == "bf16" else torch.float32
 log = []
-logging.getLogger("pipeline.checkpoint.manager").addHandler(
+logging.getLogger("pipeline.checkpoint").addHandler(
     type("Keep", (logging.Handler,), {"emit": lambda self, r: log.append(r.getMessage())})())
 
 
@@ -112,7 +113,13 @@ for name in ("good", "damaged", "alone"):
     fresh = engine(1)
     start = state(fresh)
     m = manager(name)
-    path = m.resume(reuse=fresh.load_targets)
+    try:
+        path = m.resume(reuse=fresh.load_targets)
+    except PipelineError as err:  # nothing verifies: moved aside, every rank stops
+        path = None
+        error = str(err)
+    else:
+        error = None
     got = {"chosen": None if path is None else path.name}
     if path is not None:
         st = m.load(path, fresh, NoLoader())
@@ -120,6 +127,7 @@ for name in ("good", "damaged", "alone"):
                    exact=same(state(fresh), saved_at[name, st.step]))
     else:
         got["start_up_weights"] = same(state(fresh)[:2], start[:2])
+        got["stopped"] = error is not None and "step-000001.damaged-" in error
     result[name] = got
 (out / f"rank{rank}.json").write_text(json.dumps({"result": result, "log": log}))
 dist.destroy_process_group()
@@ -149,8 +157,9 @@ def test_two_ranks_read_the_model_states_split_and_resume_exactly(tmp_path: Path
         # Rank 0's half of the newest one is damaged: both ranks fall back to step 1.
         assert damaged == {"chosen": "step-000001", "loaded": "step-000001",
                            "read_into_engine": 4, "exact": True}, damaged
-        # Nothing verifies: the engine's start-up weights and masters, whole, on both ranks.
-        assert alone == {"chosen": None, "start_up_weights": True}, alone
+        # Nothing verifies: moved aside and every rank stops naming it, the engine's start-up
+        # weights and masters untouched, whole, on both ranks.
+        assert alone == {"chosen": None, "start_up_weights": True, "stopped": True}, alone
     warnings = ranks[0]["log"]
     # Found by rank 1: rank 0 did not read its own half of the weights.
     assert any("step-000002" in w and "mp_rank_00_model_states.pt" in w
