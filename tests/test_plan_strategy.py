@@ -150,7 +150,11 @@ def test_cli_params_paper(capsys) -> None:
      "train.zero_stage"),
 ])
 def test_cli_invalid_input_exit_2(argv: list[str], needle: str, capsys) -> None:
-    assert main(argv) == 2
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:  # an option past its config key's limit: refused as parsed
+        rc = exit_.code
+    assert rc == 2
     assert needle in capsys.readouterr().err
 
 
