@@ -460,7 +460,7 @@ def test_cli_shard_gather_and_errors(tok_dir: Path, tmp_path: Path) -> None:
     assert m["seq_len"] == 64 and len(m["splits"]["train"]["shards"]) == 2
     assert all(s["path"].startswith(sysconfig.get_paths()["stdlib"]) for s in m["sources"])
     r = _cli(*common, "--seq-len", "1", "--shard", "0")  # no subcommand = shard
-    assert r.returncode == 2 and r.stderr.startswith("error: --seq-len 1 must be at least 2")
+    assert r.returncode == 2 and "error: --seq-len 1: must be at least 2 (config: data.seq_len)" in r.stderr
     r = _cli(
         "shard",
         *common[:2],
