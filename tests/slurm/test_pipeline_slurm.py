@@ -407,11 +407,20 @@ def test_hostile_strings_reach_sbatch_as_data(slurm_cluster: slurmcluster.Cluste
     work.mkdir()
     run_dir = h.render(work / "run", h.config_dict(corpus, nodes=1, gpus_per_node=1,
                                                   max_steps=5, checkpoint_every=5))
-    name = HOSTILE_NL + " " + HOSTILE
-    # The comment twice: as KEY=VALUE (newline included), then as a shell-quoted extra argument
-    # (split like a shell would, never run by one); sbatch keeps the last.
+    # A newline (or any control character) in a job option is refused before anything is
+    # submitted, naming the option; nothing of the text runs.
+    for flag_args in (["--job-name", HOSTILE_NL], ["--sbatch", f"comment={HOSTILE_NL}"]):
+        refused = h.run([*h.launch_argv(run_dir, data_dir, partition=slurm_cluster.partition,
+                                        extra=[*_job_env_args(slurm_cluster)]), *flag_args],
+                        timeout=120, cwd=work, check=False)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "control character" in refused.stderr and flag_args[0] in refused.stderr
+        assert not (run_dir / "job.json").exists()
+    name = HOSTILE
+    # The comment twice: as KEY=VALUE, then as a shell-quoted extra argument (split like a
+    # shell would, never run by one); sbatch keeps the last.
     argv = h.launch_argv(run_dir, data_dir, partition=slurm_cluster.partition, job_name=name,
-                         extra=[*_job_env_args(slurm_cluster), "--sbatch", f"comment={HOSTILE_NL}",
+                         extra=[*_job_env_args(slurm_cluster), "--sbatch", f"comment=x {HOSTILE}",
                                 "--sbatch-extra=" + shlex.join([f"--comment={HOSTILE}"])])
     h.run(argv, timeout=240, cwd=work)
     job = json.loads((run_dir / "job.json").read_text())
@@ -420,6 +429,6 @@ def test_hostile_strings_reach_sbatch_as_data(slurm_cluster: slurmcluster.Cluste
     assert json.loads((run_dir / "train.done").read_text())["step"] == 5
     assert job["sbatch_argv"][1:4] == [f"--job-name={name}", "--requeue",
                                        f"--partition={slurm_cluster.partition}"]
-    assert job["sbatch_argv"][-3:-1] == [f"--comment={HOSTILE_NL}", f"--comment={HOSTILE}"]
+    assert job["sbatch_argv"][-3:-1] == [f"--comment=x {HOSTILE}", f"--comment={HOSTILE}"]
     pwned = sorted(p.name for p in list(work.rglob("PWNED*")) + list(Path.cwd().glob("PWNED*")))
     assert not pwned, f"a hostile string ran as a command: {pwned}"
