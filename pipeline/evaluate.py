@@ -253,9 +253,9 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
         raise PipelineError(f"--run-dir {run_dir} is not a folder: name results/runs/NAME")
     # The run's files read after the evaluation (its trackers, its mixture), checked field by
     # field now: a malformed one must not cost the evaluation or surface as a traceback.
-    af.read_run_config_view(run_dir)
+    view = af.read_run_config_view(run_dir)
     af.read_trackers(run_dir)
-    name = _check_same_run(model_dir, run_dir, origin)
+    name = _check_same_run(model_dir, run_dir, origin, view)
     if lm_eval_tasks is not None and not lm_eval_tasks.is_dir():
         raise PipelineError(f"--lm-eval-tasks {lm_eval_tasks} is not a folder of task YAMLs")
     if lm_eval_names and lm_eval_tasks is None:
@@ -270,11 +270,11 @@ def _check_inputs(model_dir: Path, run_dir: Path, out: Path, lm_eval_tasks: Path
     return {**origin, "run": name}
 
 
-def _check_same_run(model_dir: Path, run_dir: Path, origin: dict[str, Any]) -> str:
+def _check_same_run(model_dir: Path, run_dir: Path, origin: dict[str, Any],
+                    config: dict[str, Any] | None) -> str:
     """The run's name; the model was consolidated from this run's checkpoints with this run's
     config (the consolidation record names the run and, from consolidations that record it,
     the checkpoint's config hash)."""
-    config = af.read_json_or_none(run_dir / af.RUN_CONFIG)
     name = config.get("name") if isinstance(config, dict) else None
     name = name if isinstance(name, str) else run_dir.name
     theirs = origin.get("run")

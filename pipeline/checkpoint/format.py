@@ -299,9 +299,9 @@ def clean_tmp(root: Path) -> None:
     """Remove half-written checkpoint folders left by a killed attempt (rank 0, at start)."""
     if root.is_dir():
         for p in root.glob(".tmp-step-*"):
-            if p.is_symlink() or not p.is_dir():
+            if p.is_symlink():
                 p.unlink()  # the link only: a rank must never write through it
-            else:
+            elif p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
 
 
